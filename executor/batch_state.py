@@ -1,0 +1,41 @@
+"""Persistent per-sequence state (vLLM v1 style): what the executor keeps
+between plans so that a plan carries only what changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from executor.sampler import SamplingParams
+
+
+@dataclass
+class SeqState:
+    token_ids: list[int]  # every known token: prompt, then sampled output
+    num_computed: int  # tokens whose KV is in the cache
+    sampling: SamplingParams
+    num_output: int  # tokens sampled so far (seeds the next draw)
+    block_table: list[int] = field(default_factory=list)
+
+
+class BatchState:
+    def __init__(self) -> None:
+        self.seqs: dict[int, SeqState] = {}
+
+    def add(self, seq_id: int, state: SeqState) -> None:
+        self.seqs[seq_id] = state
+
+    def get(self, seq_id: int) -> SeqState:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id} is unknown to the executor (never sent as new, or freed)") from None
+
+    def free(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.seqs.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self.seqs.clear()
+
+    def __len__(self) -> int:
+        return len(self.seqs)

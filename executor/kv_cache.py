@@ -1,0 +1,74 @@
+"""The paged KV cache: one block pool per layer, plus a host pool for swap.
+
+Layout per layer, for K and for V: `[num_blocks, block_size, num_kv_heads,
+head_dim]`; `slot = block_id * block_size + offset`. The router owns every
+block table; this module only owns memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def blocks_for(self, num_bytes: int) -> int:
+        return max(0, num_bytes // self.bytes_per_block)
+
+
+class KVCache:
+    def __init__(self, shape: CacheShape, num_blocks: int, num_swap_blocks: int = 0,
+                 device: str = "cpu") -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block: raise cache.kv_cache_bytes")
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
+        dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.key = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.value = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        host = (num_swap_blocks, *dims[1:])
+        pin = device != "cpu" and torch.cuda.is_available()
+        self.host_key = [torch.zeros(host, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)]
+        self.host_value = [torch.zeros(host, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)]
+
+    def _check(self, pairs: list[tuple[int, int]], src_n: int, dst_n: int, what: str) -> None:
+        for src, dst in pairs:
+            if not (0 <= src < src_n and 0 <= dst < dst_n):
+                raise IndexError(f"{what}: block copy {src}->{dst} out of range")
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies device blocks to host blocks (src device id, dst host id)."""
+        if not pairs:
+            return
+        self._check(pairs, self.num_blocks, self.num_swap_blocks, "swap_out")
+        src = torch.tensor([p[0] for p in pairs])
+        dst = torch.tensor([p[1] for p in pairs])
+        for dev, host in ((self.key, self.host_key), (self.value, self.host_value)):
+            for layer in range(len(dev)):
+                host[layer].index_copy_(0, dst, dev[layer].index_select(0, src.to(dev[layer].device)).cpu())
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies host blocks back to device blocks (src host id, dst device id)."""
+        if not pairs:
+            return
+        self._check(pairs, self.num_swap_blocks, self.num_blocks, "swap_in")
+        src = torch.tensor([p[0] for p in pairs])
+        dst = torch.tensor([p[1] for p in pairs])
+        for dev, host in ((self.key, self.host_key), (self.value, self.host_value)):
+            for layer in range(len(dev)):
+                d = dev[layer]
+                d.index_copy_(0, dst.to(d.device), host[layer].index_select(0, src).to(d.device))

@@ -1,0 +1,70 @@
+"""`cbserve executor`: loads the model, sizes the KV pool, serves plans."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import structlog
+import torch
+
+from executor import model_loader, model_source
+from executor.kv_cache import CacheShape
+from executor.runner import ModelRunner
+from executor.server import ExecutorService, build_server, wait_forever
+
+_LOGGER = structlog.get_logger(__name__)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cbserve executor", description=__doc__)
+    p.add_argument("--model", default=model_source.DEFAULT_MODEL,
+                   help="'smollm2' (embedded default), 'tiny[:{json overrides}]', or a local HF checkpoint dir")
+    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    p.add_argument("--listen", default="unix:///tmp/cbserve-executor.sock",
+                   help="unix:///path or host:port")
+    p.add_argument("--config", default=None, help="router.yaml: its cache section sizes the KV pool")
+    p.add_argument("--attention-backend", default="native", choices=["native", "torch"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--tls-cert", default="", help="TLS certificate for a TCP listener")
+    p.add_argument("--tls-key", default="")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from router.logging_setup import configure_logging  # logging setup is shared, not logic
+
+    args = parse_args(argv)
+    cache = _cache_config(args.config)
+    configure_logging("info", "auto", process="executor")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = model_source.resolve(args.model)
+    dtype = model_loader.pick_dtype(args.dtype)
+    model = model_loader.load_model(source, dtype)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cache.block_size, dtype)
+    num_blocks = cache.num_blocks or shape.blocks_for(cache.kv_cache_bytes)
+    num_swap = shape.blocks_for(cache.swap_space_bytes)
+    runner = ModelRunner(model, cache.block_size, num_blocks, num_swap, args.attention_backend)
+    eos = cfg.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    service = ExecutorService(runner, source.name, eos_ids)
+    server, health = build_server(service, args.listen, args.tls_cert, args.tls_key)
+    _LOGGER.info("executor ready", listen=args.listen, model=source.name,
+                 dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
+                 block_size=cache.block_size, backend=args.attention_backend,
+                 threads=torch.get_num_threads())
+    wait_forever(server, health)
+    return 0
+
+
+def _cache_config(path: str | None):
+    from router.config import load_config
+
+    return load_config(path).cache
+
+
+if __name__ == "__main__":
+    sys.exit(main())

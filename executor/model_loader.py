@@ -1,0 +1,118 @@
+"""Loads the model (transformers definition, weights in the chosen dtype)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import structlog
+import torch
+
+from executor.model_source import ModelSource, cache_dir, tiny_config_dict
+
+_LOGGER = structlog.get_logger(__name__)
+
+
+def pick_dtype(name: str) -> torch.dtype:
+    """'auto' is bf16 where the CPU computes it natively, fp32 otherwise."""
+    if name in ("bfloat16", "bf16"):
+        return torch.bfloat16
+    if name in ("float32", "fp32"):
+        return torch.float32
+    if name in ("float16", "fp16"):
+        return torch.float16
+    if name != "auto":
+        raise ValueError(f"dtype {name!r} is not auto|bfloat16|float32|float16")
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = fh.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def build_tiny(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(source.seed)
+    model = LlamaForCausalLM(LlamaConfig(**tiny_config_dict(source)))
+    return model.to(dtype)
+
+
+def _converted_dir(source: ModelSource) -> str:
+    return os.path.join(cache_dir(), "smollm2-hf")
+
+
+def export_gguf_checkpoint(source: ModelSource, dest: str) -> str:
+    """Writes a plain HF checkpoint (safetensors, fp32) of a GGUF model to dest.
+
+    transformers refuses save_pretrained on a GGUF-loaded model, so the
+    dequantised state dict, config and tokenizer are written directly.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if os.path.isfile(os.path.join(dest, "model.safetensors")):
+        return dest
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file)
+    tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    tmp = dest + f".tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    import json
+
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+    model.generation_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    _LOGGER.info("converted GGUF checkpoint", dest=dest, seconds=round(time.perf_counter() - t0, 1))
+    return dest
+
+
+def checkpoint_dir(source: ModelSource) -> str | None:
+    """A HF directory holding the model's weights and tokenizer (None for tiny)."""
+    if source.kind == "gguf":
+        return export_gguf_checkpoint(source, _converted_dir(source))
+    if source.kind == "hf_dir":
+        return source.path
+    return None
+
+
+def load_model(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM in eval mode, on CPU, in `dtype`."""
+    t0 = time.perf_counter()
+    if source.kind == "tiny":
+        model = build_tiny(source, dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(source), dtype=dtype)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    _LOGGER.info(
+        "model loaded",
+        model=source.name,
+        dtype=str(dtype).removeprefix("torch."),
+        seconds=round(time.perf_counter() - t0, 2),
+    )
+    return model

@@ -1,0 +1,180 @@
+"""One iteration: plan in, sampled tokens out.
+
+Packs every scheduled token of every sequence into one row (no padding), runs
+the transformers model with paged attention, computes the LM head only on the
+rows that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from cbserve.v1 import executor_pb2 as pb
+from executor import attention
+from executor.batch_state import BatchState, SeqState
+from executor.kv_cache import CacheShape, KVCache
+from executor.sampler import SamplingParams, sample
+
+_LOGGER = structlog.get_logger(__name__)
+
+
+class PlanError(ValueError):
+    """The plan is inconsistent with the executor's state (bad ids, sizes)."""
+
+
+@dataclass
+class StepOutput:
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    forward_seconds: float
+    step_seconds: float
+
+
+def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p if s.top_p > 0 else 1.0,
+        top_k=s.top_k,
+        seed=s.seed,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
+        logprobs=s.logprobs,
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
+                 num_swap_blocks: int = 0, attention_backend: str = "native") -> None:
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.backend = attention_backend
+        self.ops = attention.backend_ops(attention_backend)
+        model.set_attn_implementation(attention.register())
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+                                      block_size, self.dtype)
+        self.block_size = block_size
+        self.kv = KVCache(self.cache_shape, num_blocks, num_swap_blocks, device=str(self.device))
+        self.state = BatchState()
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+
+    # -- plan application -------------------------------------------------
+    def _admit(self, seq: pb.ScheduledSeq) -> SeqState:
+        if seq.HasField("new"):
+            new = seq.new
+            state = SeqState(
+                token_ids=list(new.token_ids),
+                num_computed=new.num_computed_tokens,
+                sampling=_sampling_from_pb(new.sampling),
+                num_output=new.num_output_tokens,
+            )
+            if state.num_computed >= len(state.token_ids) and seq.num_tokens:
+                raise PlanError(f"seq {seq.seq_id}: nothing left to compute")
+            self.state.add(seq.seq_id, state)
+        else:
+            state = self.state.get(seq.seq_id)
+        ids = list(seq.new_block_ids)
+        for b in ids:
+            if not 0 <= b < self.kv.num_blocks:
+                raise PlanError(f"seq {seq.seq_id}: block id {b} outside [0, {self.kv.num_blocks})")
+        if seq.replace_block_table:
+            state.block_table = ids
+        else:
+            state.block_table.extend(ids)
+        end = state.num_computed + seq.num_tokens
+        if end > len(state.token_ids):
+            raise PlanError(f"seq {seq.seq_id}: asks for {seq.num_tokens} tokens, "
+                            f"only {len(state.token_ids) - state.num_computed} are known")
+        if end > len(state.block_table) * self.block_size:
+            raise PlanError(f"seq {seq.seq_id}: {end} tokens need more than its "
+                            f"{len(state.block_table)} blocks")
+        return state
+
+    def reset(self) -> None:
+        self.state.clear()
+
+    # -- the step ---------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, plan: pb.Plan) -> StepOutput:
+        t0 = time.perf_counter()
+        self.state.free(plan.free_seq_ids)
+        self.kv.swap_out([(c.src, c.dst) for c in plan.swap_out])
+        self.kv.swap_in([(c.src, c.dst) for c in plan.swap_in])
+        scheduled = [(s.seq_id, s.num_tokens, self._admit(s)) for s in plan.seqs if True]
+        scheduled = [x for x in scheduled if x[1] > 0]
+        if not scheduled:
+            return StepOutput([], [], None, 0.0, time.perf_counter() - t0)
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_states: list[tuple[int, SeqState]] = []
+        bs = self.block_size
+        max_blocks = 1
+        for seq_id, n, st in scheduled:
+            start = st.num_computed
+            end = start + n
+            input_ids.extend(st.token_ids[start:end])
+            table = st.block_table
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                rng = range(start, end)
+                positions.extend(rng)
+                slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, len(table))
+            if end == len(st.token_ids):
+                sample_rows.append(cu[-1] - 1)
+                sample_states.append((seq_id, st))
+        if max(seq_lens) > self.max_context:
+            raise PlanError(f"a sequence reaches {max(seq_lens)} tokens, beyond the context {self.max_context}")
+
+        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for i, (_, _, st) in enumerate(scheduled):
+            if st.block_table:
+                tables[i, : len(st.block_table)] = torch.tensor(st.block_table, dtype=torch.int32)
+        dev = self.device
+        meta = attention.AttnMetadata(
+            kv_cache=self.kv,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            reshape_and_cache=self.ops[0],
+            paged_attention=self.ops[1],
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev).unsqueeze(0)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev).unsqueeze(0)
+        tf = time.perf_counter()
+        hidden = self.model.model(input_ids=ids_t, position_ids=pos_t, use_cache=False,
+                                  cb_meta=meta).last_hidden_state[0]
+        for _, n, st in scheduled:
+            st.num_computed += n
+        tokens: list[int] = []
+        logprobs = None
+        seq_ids: list[int] = []
+        if sample_rows:
+            rows = hidden.index_select(0, torch.tensor(sample_rows, device=dev))
+            logits = self.model.lm_head(rows)
+            params = [st.sampling for _, st in sample_states]
+            hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
+            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states])
+            for (seq_id, st), tok in zip(sample_states, tokens):
+                st.token_ids.append(tok)
+                st.num_output += 1
+                seq_ids.append(seq_id)
+        forward = time.perf_counter() - tf
+        return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0)

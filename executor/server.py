@@ -1,0 +1,129 @@
+"""The executor's gRPC service: Describe, Step, Reset, and grpc.health.v1."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cbserve.v1 import executor_pb2 as pb
+from cbserve.v1 import executor_pb2_grpc as pb_grpc
+from executor.runner import ModelRunner, PlanError
+
+_LOGGER = structlog.get_logger(__name__)
+
+# Plans for a full batch of long prompts are large; stay well above them.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+class ExecutorService(pb_grpc.ExecutorServicer):
+    def __init__(self, runner: ModelRunner, model_name: str, eos_ids: list[int]) -> None:
+        self.runner = runner
+        self.model_name = model_name
+        self.eos_ids = eos_ids
+        self.instance_id = random.getrandbits(63)
+        self._lock = threading.Lock()  # one step at a time
+        self.steps = 0
+
+    def Describe(self, request, context):
+        r = self.runner
+        cfg = r.config
+        return pb.DescribeResponse(
+            model=self.model_name,
+            dtype=str(r.dtype).removeprefix("torch."),
+            vocab_size=cfg.vocab_size,
+            max_context_length=r.max_context,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=r.cache_shape.num_kv_heads,
+            head_dim=r.cache_shape.head_dim,
+            block_size=r.block_size,
+            num_blocks=r.kv.num_blocks,
+            num_swap_blocks=r.kv.num_swap_blocks,
+            attention_backend=r.backend,
+            eos_token_ids=self.eos_ids,
+            instance_id=self.instance_id,
+        )
+
+    def Step(self, request: pb.Plan, context):
+        with self._lock:
+            try:
+                out = self.runner.step(request)
+            except (PlanError, KeyError, IndexError, ValueError) as exc:
+                _LOGGER.warning("rejected plan", step_id=request.step_id, error=str(exc))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.steps += 1
+        return pb.StepResult(
+            step_id=request.step_id,
+            seq_ids=out.seq_ids,
+            token_ids=out.token_ids,
+            logprobs=out.logprobs or [],
+            forward_seconds=out.forward_seconds,
+            step_seconds=out.step_seconds,
+        )
+
+    def Reset(self, request, context):
+        with self._lock:
+            self.runner.reset()
+        _LOGGER.info("state reset")
+        return pb.ResetResponse()
+
+
+def _unix_path(address: str) -> str | None:
+    return address[len("unix://"):] if address.startswith("unix://") else None
+
+
+def build_server(service: ExecutorService, address: str, tls_cert: str = "",
+                 tls_key: str = "") -> tuple[grpc.Server, health.HealthServicer]:
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    pb_grpc.add_ExecutorServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    path = _unix_path(address)
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            os.unlink(path)
+    if tls_cert and not path:
+        with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if not path and port == 0:
+        raise OSError(f"cannot listen on {address}")
+    server.start()
+    if path:
+        os.chmod(path, 0o600)  # only this user (the pod's containers share a uid)
+    for name in ("", "cbserve.v1.Executor"):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer
+
+
+def wait_forever(server: grpc.Server, health_servicer: health.HealthServicer) -> None:
+    import signal
+
+    stop = threading.Event()
+
+    def _on_signal(signum, frame):
+        _LOGGER.info("executor stopping", signal=signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    while not stop.wait(1.0):
+        pass
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=2.0).wait()
+    time.sleep(0)

@@ -1,0 +1,85 @@
+"""The `cbserve` command.
+
+  cbserve serve      router + executor on this machine (the embedded default)
+  cbserve router     the router alone
+  cbserve executor   the executor alone
+  cbserve generate   a streaming client for the terminal
+  cbserve health     grpc.health.v1 probe (exit 0 when SERVING)
+  cbserve bench      load generator and reports
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded SmolLM2-135M-Instruct), 'tiny', or a local HF checkpoint dir")
+    p.add_argument("--config", default=None, help="router YAML config (see deploy/base/router.yaml)")
+    p.add_argument("--port", type=int, default=None, help="public gRPC port (default 50051)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9090; 0 = off)")
+    p.add_argument("--host", default=None, help="listen address (default 0.0.0.0)")
+    p.add_argument("--executor-address", default=None, help="unix:///path or host:port of the executor")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cbserve", description="LLM serving with continuous batching")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="start executor and router on this machine")
+    _common(serve)
+    serve.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    serve.add_argument("--attention-backend", default="native", choices=["native", "torch"])
+    router = sub.add_parser("router", help="start the router alone")
+    _common(router)
+    sub.add_parser("executor", help="start the executor alone (see cbserve executor --help)", add_help=False)
+    sub.add_parser("generate", help="stream a completion to the terminal", add_help=False)
+    sub.add_parser("bench", help="load generator and reports", add_help=False)
+    health = sub.add_parser("health", help="gRPC health probe")
+    health.add_argument("--address", default="127.0.0.1:50051")
+    health.add_argument("--service", default="")
+    health.add_argument("--timeout", type=float, default=4.0)
+    return parser
+
+
+def _exec_module(module: str, argv: list[str]) -> int:
+    """Runs another package's entry point in this process image (the router
+    package does not import the executor or the benchmarks)."""
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+    return 1  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "executor":
+        return _exec_module("executor", argv[1:])
+    if argv and argv[0] == "bench":
+        return _exec_module("bench", argv[1:])
+    if argv and argv[0] == "generate":
+        from router.client_cli import main as generate_main
+
+        return generate_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.cmd == "health":
+        from router.client_cli import health_main
+
+        return health_main(args.address, args.service, args.timeout)
+    from router.config import ConfigError
+
+    try:
+        if args.cmd == "serve":
+            from router.supervisor import serve_main
+
+            return serve_main(args)
+        from router.main import router_main
+
+        return router_main(args)
+    except ConfigError as exc:
+        print(f"cbserve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Router configuration: typed sections loaded from YAML and validated once.
+
+Every field says why it exists. `load_config(path)` raises `ConfigError` with a
+message an operator can act on; nothing here asserts on user input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message says which key and why."""
+
+
+@dataclass
+class ServerConfig:
+    # Public gRPC address. 0.0.0.0 so a pod is reachable; the CLI may override.
+    host: str = "0.0.0.0"
+    port: int = 50051
+    # Prometheus text endpoint (HTTP); 0 disables it.
+    metrics_port: int = 9090
+    # Largest request a client may send; a prompt of a full context fits well.
+    max_receive_message_bytes: int = 4 * 1024 * 1024
+    # Largest gRPC metadata a client may send (headers, auth token).
+    max_metadata_bytes: int = 16 * 1024
+    # On SIGTERM: in-flight requests get this long to finish, then are cancelled.
+    drain_timeout_s: float = 30.0
+    # TLS on the public port: server certificate and key (PEM). Empty = plaintext.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # When set, clients must present a certificate signed by this CA (mTLS).
+    tls_client_ca_file: str = ""
+    # Bearer-token auth: the token is read from this file, or from this env var.
+    auth_token_file: str = ""
+    auth_token_env: str = ""
+
+
+@dataclass
+class ExecutorConfig:
+    # Where the executor listens: unix:///path (co-located) or host:port.
+    address: str = "unix:///tmp/cbserve-executor.sock"
+    # A step that takes longer than this means the executor hung: treated as down.
+    step_timeout_s: float = 60.0
+    # Back-off between reconnection attempts after the executor went away.
+    reconnect_backoff_s: float = 0.5
+    reconnect_backoff_max_s: float = 5.0
+    # TLS for router<->executor over TCP: CA that signed the executor's cert.
+    tls_ca_file: str = ""
+
+
+@dataclass
+class SchedulerConfig:
+    # fcfs | sjf | priority | static | dynamic, or module:Class for your own.
+    policy: str = "fcfs"
+    # Most sequences in one iteration (bounds batch size and executor state).
+    max_num_seqs: int = 64
+    # Token budget of one iteration: decodes first, then prefill chunks.
+    max_num_batched_tokens: int = 512
+    # Split prompts longer than the remaining budget across iterations.
+    enable_chunked_prefill: bool = True
+    # Cap on one request's prefill chunk so long prompts cannot starve others
+    # (0 = no cap beyond the budget).
+    long_prefill_token_threshold: int = 0
+    # What to do with a victim when KV memory runs out: recompute | swap.
+    preemption_mode: str = "recompute"
+    # SJF aging: a request waiting this long goes before any shorter job.
+    sjf_max_wait_s: float = 10.0
+    # Batch size of the request-level baselines (static, dynamic).
+    static_batch_size: int = 16
+    # Dynamic batching: the longest a batch waits to fill up.
+    dynamic_max_wait_ms: float = 50.0
+
+
+@dataclass
+class CacheConfig:
+    # Tokens per KV block; the executor allocates its pool with this size.
+    block_size: int = 16
+    # Device KV blocks; 0 = derive from kv_cache_bytes.
+    num_blocks: int = 0
+    # KV pool size in bytes when num_blocks is 0.
+    kv_cache_bytes: int = 1 << 30
+    # Host memory for swap preemption (executor side).
+    swap_space_bytes: int = 256 << 20
+    # Share of blocks kept free when admitting new prompts, so running
+    # sequences can grow without immediate preemption.
+    watermark: float = 0.01
+    # Requests sharing a prompt prefix share its KV blocks.
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class LimitsConfig:
+    # Backpressure: beyond these, new requests get RESOURCE_EXHAUSTED at once.
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1_000_000
+    # Largest max_new_tokens a request may ask for; also the default cap is
+    # what remains of the context.
+    max_new_tokens: int = 4096
+    # Default when a request leaves max_new_tokens unset.
+    default_max_new_tokens: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_request_id_chars: int = 128
+    max_messages: int = 256
+    max_priority_abs: int = 1000
+
+
+@dataclass
+class LoggingConfig:
+    # debug | info | warning | error
+    level: str = "info"
+    # json | console | auto (console on a terminal, json otherwise)
+    format: str = "auto"
+
+
+@dataclass
+class RouterConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{where}.{key}: unknown key (known: {known})")
+        f = fields[key]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            kwargs[key] = _build(type(default), value, f"{where}.{key}")
+            continue
+        kwargs[key] = _coerce(value, type(default), f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, typ: type, where: str) -> Any:
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _positive(value: float, where: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{where}: must be {bound}, got {value}")
+
+
+def validate(cfg: RouterConfig) -> RouterConfig:
+    """Checks cross-field rules; returns cfg or raises ConfigError."""
+    s = cfg.scheduler
+    if s.policy not in BUILTIN_POLICIES and ":" not in s.policy:
+        raise ConfigError(
+            f"scheduler.policy: {s.policy!r} is not one of {', '.join(BUILTIN_POLICIES)} "
+            "and not a 'module:Class' path"
+        )
+    _positive(s.max_num_seqs, "scheduler.max_num_seqs")
+    _positive(s.max_num_batched_tokens, "scheduler.max_num_batched_tokens")
+    if s.max_num_batched_tokens < s.max_num_seqs:
+        raise ConfigError(
+            "scheduler.max_num_batched_tokens must be >= scheduler.max_num_seqs so every "
+            "running sequence can decode each iteration: increase max_num_batched_tokens "
+            "or decrease max_num_seqs"
+        )
+    _positive(s.long_prefill_token_threshold, "scheduler.long_prefill_token_threshold", True)
+    if s.preemption_mode not in ("recompute", "swap"):
+        raise ConfigError(
+            f"scheduler.preemption_mode: {s.preemption_mode!r} must be 'recompute' or 'swap'"
+        )
+    _positive(s.sjf_max_wait_s, "scheduler.sjf_max_wait_s")
+    _positive(s.static_batch_size, "scheduler.static_batch_size")
+    _positive(s.dynamic_max_wait_ms, "scheduler.dynamic_max_wait_ms", True)
+    c = cfg.cache
+    if c.block_size < 1 or c.block_size & (c.block_size - 1) or c.block_size > 128:
+        raise ConfigError(f"cache.block_size: must be a power of two in [1, 128], got {c.block_size}")
+    _positive(c.num_blocks, "cache.num_blocks", True)
+    _positive(c.kv_cache_bytes, "cache.kv_cache_bytes")
+    _positive(c.swap_space_bytes, "cache.swap_space_bytes", True)
+    if not 0 <= c.watermark < 0.5:
+        raise ConfigError(f"cache.watermark: must be in [0, 0.5), got {c.watermark}")
+    lim = cfg.limits
+    for name in ("max_queued_requests", "max_queued_tokens", "max_new_tokens",
+                 "default_max_new_tokens", "max_stop_strings", "max_stop_string_chars",
+                 "max_request_id_chars", "max_messages", "max_priority_abs"):
+        _positive(getattr(lim, name), f"limits.{name}")
+    if lim.default_max_new_tokens > lim.max_new_tokens:
+        raise ConfigError("limits.default_max_new_tokens must be <= limits.max_new_tokens")
+    srv = cfg.server
+    for name in ("port", "metrics_port"):
+        port = getattr(srv, name)
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"server.{name}: must be in [0, 65535], got {port}")
+    _positive(srv.drain_timeout_s, "server.drain_timeout_s", True)
+    if bool(srv.tls_cert_file) != bool(srv.tls_key_file):
+        raise ConfigError("server.tls_cert_file and server.tls_key_file must be set together")
+    if srv.tls_client_ca_file and not srv.tls_cert_file:
+        raise ConfigError("server.tls_client_ca_file (mTLS) needs server.tls_cert_file and tls_key_file")
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file"):
+        path = getattr(srv, name)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"server.{name}: file {path!r} does not exist")
+    _positive(cfg.executor.step_timeout_s, "executor.step_timeout_s")
+    if cfg.logging.level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"logging.level: {cfg.logging.level!r} is not debug|info|warning|error")
+    if cfg.logging.format not in ("json", "console", "auto"):
+        raise ConfigError(f"logging.format: {cfg.logging.format!r} is not json|console|auto")
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any] | None) -> RouterConfig:
+    return validate(_build(RouterConfig, data or {}, "config"))
+
+
+def load_config(path: str | None) -> RouterConfig:
+    """Loads and validates a router YAML file; None gives the defaults."""
+    if not path:
+        return validate(RouterConfig())
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path!r}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from exc
+    return config_from_dict(data)

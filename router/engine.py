@@ -1,0 +1,357 @@
+"""The iteration loop: schedule, send one plan, apply the result, stream
+detokenized deltas, and keep going while the executor comes and goes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+import structlog
+
+from router.block_manager import BlockManager
+from router.config import RouterConfig
+from router.detokenizer import IncrementalDetokenizer
+from router.executor_client import ExecutorClient, ExecutorUnavailable
+from router.metrics import Metrics
+from router.plan import encode_plan
+from router.policies import make_policy
+from router.request import Finish, Request, Status
+from router.scheduler import Scheduler, SchedulerOutput
+from router.tokenizer import Tokenizer
+
+_LOGGER = structlog.get_logger(__name__)
+
+
+@dataclass
+class Delta:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish: Finish | None = None
+    # A gRPC status that ends the stream with an error instead of a finish.
+    error: tuple[grpc.StatusCode, str] | None = None
+
+
+class RequestHandle:
+    """What a gRPC handler holds: the request and its stream of deltas."""
+
+    def __init__(self, req: Request, detok: IncrementalDetokenizer) -> None:
+        self.req = req
+        self.detok = detok
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.done = False
+        self.last_token_time: float | None = None
+
+    async def next(self) -> Delta:
+        return await self.queue.get()
+
+
+@dataclass
+class ExecutorFacts:
+    model: str
+    dtype: str
+    vocab_size: int
+    max_context: int
+    block_size: int
+    num_blocks: int
+    num_swap_blocks: int
+    attention_backend: str
+    eos_token_ids: list[int]
+    instance_id: int
+
+
+class Engine:
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, metrics: Metrics,
+                 client: ExecutorClient | None = None,
+                 on_executor_lost: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.client = client or ExecutorClient(cfg.executor)
+        self.on_executor_lost = on_executor_lost
+        self.facts: ExecutorFacts | None = None
+        self.scheduler: Scheduler | None = None
+        self.handles: dict[str, RequestHandle] = {}
+        self.ready = asyncio.Event()  # executor connected and sized
+        self.accepting = True
+        self._wake = asyncio.Event()
+        self._aborts: list[tuple[Request, Delta]] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._step_id = 0
+        self._ready_callbacks: list[Callable[[bool], None]] = []
+        self._seen_preemptions = 0
+        self._seen_queries = 0
+        self._seen_hits = 0
+
+    # -- lifecycle --------------------------------------------------------------
+    def on_ready_change(self, fn: Callable[[bool], None]) -> None:
+        self._ready_callbacks.append(fn)
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready:
+            self.ready.set()
+        else:
+            self.ready.clear()
+        self.metrics.executor_up.set(1 if ready else 0)
+        for fn in self._ready_callbacks:
+            fn(ready)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="cbserve-engine")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self.client.close()
+
+    async def _connect(self) -> None:
+        d = await self.client.wait_ready(self._stop)
+        facts = ExecutorFacts(d.model, d.dtype, d.vocab_size, d.max_context_length, d.block_size,
+                              d.num_blocks, d.num_swap_blocks, d.attention_backend,
+                              list(d.eos_token_ids), d.instance_id)
+        await self.client.reset()
+        c = self.cfg.cache
+        blocks = BlockManager(facts.num_blocks, facts.block_size, facts.num_swap_blocks,
+                              c.enable_prefix_caching, c.watermark)
+        eos = facts.eos_token_ids or self.tokenizer.eos_token_ids
+        policy = make_policy(self.cfg.scheduler)
+        self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context)
+        self._seen_preemptions = self._seen_queries = self._seen_hits = 0
+        if self.facts is not None:
+            self.metrics.executor_restarts.inc()
+        self.facts = facts
+        _LOGGER.info("executor connected", model=facts.model, dtype=facts.dtype,
+                     num_blocks=facts.num_blocks, block_size=facts.block_size,
+                     backend=facts.attention_backend, policy=policy.name)
+        self._set_ready(True)
+
+    # -- intake -----------------------------------------------------------------
+    def submit(self, req: Request) -> RequestHandle:
+        handle = RequestHandle(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                           req.stopping.stop))
+        self.handles[req.request_id] = handle
+        self.scheduler.add(req)
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        self._wake.set()
+        return handle
+
+    def abort(self, req: Request, error: tuple[grpc.StatusCode, str] | None = None) -> None:
+        """Ends a request from outside the loop (cancel, disconnect, deadline);
+        its blocks are freed at the start of the next iteration."""
+        if req.status == Status.FINISHED or req.abort_status is not None:
+            return
+        req.abort_status = error[0].name if error else "CANCELLED"
+        self._aborts.append((req, Delta(finish=Finish.CANCELLED, error=error)))
+        self._wake.set()
+
+    def set_scheduler_config(self, cfg: RouterConfig) -> None:
+        """Hot reload of the scheduler section (SIGHUP)."""
+        policy = make_policy(cfg.scheduler)
+        self.cfg.scheduler = cfg.scheduler
+        if self.scheduler is not None:
+            self.scheduler.set_policy(cfg.scheduler, policy)
+        _LOGGER.info("scheduler config reloaded", policy=policy.name)
+
+    # -- the loop -----------------------------------------------------------------
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self._connect()
+                await self._iterate_forever()
+            except ExecutorUnavailable as exc:
+                if self._stop.is_set():
+                    return
+                self._lost(str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must not kill the server
+                _LOGGER.exception("engine loop failed", error=str(exc))
+                self._lost(f"internal error: {exc}")
+                await asyncio.sleep(0.5)
+
+    def _lost(self, why: str) -> None:
+        _LOGGER.error("executor lost", error=why, in_flight=len(self.handles))
+        self._set_ready(False)
+        self._fail_all(grpc.StatusCode.UNAVAILABLE, f"executor unavailable: {why}")
+        if self.on_executor_lost is not None:
+            self.on_executor_lost(why)
+
+    def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.reset()
+        for req, delta in self._aborts:
+            self._finish_handle(req, delta)
+        self._aborts.clear()
+        for handle in list(self.handles.values()):
+            self._finish_handle(handle.req, Delta(finish=Finish.CANCELLED, error=(code, message)))
+
+    async def _iterate_forever(self) -> None:
+        sched = self.scheduler
+        while not self._stop.is_set():
+            self._apply_aborts()
+            self._expire_deadlines()
+            if not sched.has_work():
+                self._update_gauges()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            if out.is_empty():
+                self._update_gauges()
+                wake_at = sched.policy.next_wakeup(time.monotonic(), sched.waiting)
+                timeout = 0.05 if wake_at is None else max(0.0, wake_at - time.monotonic())
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            self._step_id += 1
+            plan = encode_plan(self._step_id, out)
+            try:
+                result = await self.client.step(plan)
+            except ValueError as exc:
+                # The executor refused the plan: a router bug. Fail what was in
+                # it and start both sides from a clean slate.
+                _LOGGER.error("plan rejected", error=str(exc))
+                raise ExecutorUnavailable(str(exc)) from exc
+            events = sched.update(out, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+            self._emit(events, out)
+            self._observe(out, result, time.perf_counter() - t0)
+
+    def _apply_aborts(self) -> None:
+        if not self._aborts:
+            return
+        aborts, self._aborts = self._aborts, []
+        for req, delta in aborts:
+            if req.status != Status.FINISHED:
+                self.scheduler.finish(req, Finish.CANCELLED)
+            self._finish_handle(req, delta)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for handle in list(self.handles.values()):
+            req = handle.req
+            if req.deadline is not None and now >= req.deadline and req.abort_status is None:
+                self.abort(req, (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
+        self._apply_aborts_if_any()
+
+    def _apply_aborts_if_any(self) -> None:
+        if self._aborts:
+            self._apply_aborts()
+
+    def _emit(self, events, out: SchedulerOutput) -> None:
+        sched = self.scheduler
+        now = time.monotonic()
+        for ev in events:
+            req = ev.req
+            handle = self.handles.get(req.request_id)
+            if handle is None:
+                continue
+            try:
+                handle.detok.add(ev.token_ids)
+                if handle.detok.stopped and req.finish is None:
+                    sched.finish(req, Finish.STOP_SEQUENCE)
+                text = handle.detok.take(final=req.finish is not None)
+            except Exception as exc:  # one request's output must not harm others
+                _LOGGER.exception("output processing failed", request_id=req.request_id)
+                sched.finish(req, Finish.CANCELLED)
+                self._finish_handle(req, Delta(finish=Finish.CANCELLED,
+                                               error=(grpc.StatusCode.INTERNAL, f"output processing failed: {exc}")))
+                continue
+            m = self.metrics
+            m.generation_tokens.inc(len(ev.token_ids))
+            n_out = len(req.output_token_ids)
+            if n_out == 1:
+                m.time_to_first_token.observe(now - req.arrival_time)
+            elif handle.last_token_time is not None:
+                m.inter_token_latency.observe(now - handle.last_token_time)
+            handle.last_token_time = now
+            delta = Delta(token_ids=ev.token_ids, text=text, logprobs=ev.logprobs, finish=req.finish)
+            if req.finish is not None:
+                self._finish_handle(req, delta)
+            else:
+                handle.queue.put_nowait(delta)
+
+    def _finish_handle(self, req: Request, delta: Delta) -> None:
+        handle = self.handles.pop(req.request_id, None)
+        if handle is None or handle.done:
+            return
+        handle.done = True
+        if delta.error is None and delta.finish is not None:
+            delta.text += handle.detok.take(final=True)
+        handle.queue.put_nowait(delta)
+        now = time.monotonic()
+        m = self.metrics
+        status = delta.error[0].name if delta.error else "OK"
+        reason = (delta.finish or Finish.CANCELLED).name
+        m.requests.labels(finish_reason=reason, status=status).inc()
+        m.e2e_latency.observe(now - req.arrival_time)
+        if req.first_scheduled_time is not None:
+            m.queue_time.observe(req.first_scheduled_time - req.arrival_time)
+        _LOGGER.info(
+            "request finished",
+            request_id=req.request_id,
+            finish_reason=reason,
+            status=status,
+            prompt_tokens=len(req.prompt_token_ids),
+            output_tokens=len(req.output_token_ids),
+            cached_prompt_tokens=req.num_cached_prompt_tokens,
+            preemptions=req.num_preemptions,
+            queue_s=round(req.first_scheduled_time - req.arrival_time, 4) if req.first_scheduled_time else None,
+            ttft_s=round(req.first_token_time - req.arrival_time, 4) if req.first_token_time else None,
+            e2e_s=round(now - req.arrival_time, 4),
+        )
+
+    def _observe(self, out: SchedulerOutput, result, seconds: float) -> None:
+        m = self.metrics
+        m.iteration_tokens.observe(out.num_tokens)
+        m.batch_size.observe(len(out.seqs))
+        m.iteration_seconds.observe(seconds)
+        m.executor_step_seconds.observe(result.step_seconds)
+        m.executor_forward_seconds.observe(result.forward_seconds)
+        m.prompt_tokens_computed.inc(out.num_prompt_tokens)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        sched = self.scheduler
+        if sched is None:
+            return
+        m = self.metrics
+        m.num_requests_running.set(len(sched.running))
+        m.num_requests_waiting.set(len(sched.waiting))
+        m.num_requests_swapped.set(len(sched.swapped))
+        m.kv_cache_usage_ratio.set(sched.blocks.usage())
+        if sched.num_preemptions > self._seen_preemptions:
+            m.num_preemptions.inc(sched.num_preemptions - self._seen_preemptions)
+            self._seen_preemptions = sched.num_preemptions
+        b = sched.blocks
+        if b.prefix_queries > self._seen_queries:
+            m.prefix_cache_queries.inc(b.prefix_queries - self._seen_queries)
+            self._seen_queries = b.prefix_queries
+        if b.prefix_hits > self._seen_hits:
+            m.prefix_cache_hits.inc(b.prefix_hits - self._seen_hits)
+            self._seen_hits = b.prefix_hits
+
+    # -- drain ----------------------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self.handles and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for handle in list(self.handles.values()):
+            self.abort(handle.req, None)
+        end = time.monotonic() + 2.0
+        while self.handles and time.monotonic() < end:
+            await asyncio.sleep(0.02)

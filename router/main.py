@@ -1,0 +1,83 @@
+"""The router process: public gRPC server + engine loop + metrics, with
+SIGTERM drain and SIGHUP reload of the scheduler section."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Awaitable, Callable
+
+import structlog
+
+from router.config import ConfigError, RouterConfig, load_config
+from router.engine import Engine
+from router.logging_setup import configure_logging
+from router.metrics import Metrics
+from router.server import PublicServer
+from router.tokenizer import load_tokenizer
+
+_LOGGER = structlog.get_logger(__name__)
+
+
+async def run_router(
+    cfg: RouterConfig,
+    model: str,
+    config_path: str | None = None,
+    on_executor_lost: Callable[[str], None] | None = None,
+    on_started: Callable[[PublicServer], Awaitable[None] | None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    tokenizer = await loop.run_in_executor(None, load_tokenizer, model)
+    metrics = Metrics()
+    metrics.serve(cfg.server.metrics_port, cfg.server.host)
+    engine = Engine(cfg, tokenizer, metrics, on_executor_lost=on_executor_lost)
+    server = PublicServer(engine, cfg)
+    await server.start()
+    engine.start()
+
+    def _reload() -> None:
+        try:
+            new = load_config(config_path)
+        except ConfigError as exc:
+            _LOGGER.error("config reload refused; keeping the old one", error=str(exc))
+            return
+        engine.set_scheduler_config(new)
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if config_path:
+        loop.add_signal_handler(signal.SIGHUP, _reload)
+    _LOGGER.info("router listening", address=f"{cfg.server.host}:{server.port}",
+                 metrics=f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics",
+                 executor=cfg.executor.address, policy=cfg.scheduler.policy)
+    if on_started is not None:
+        res = on_started(server)
+        if asyncio.iscoroutine(res):
+            await res
+    await stop.wait()
+    _LOGGER.info("draining", timeout_s=cfg.server.drain_timeout_s, in_flight=len(engine.handles))
+    await server.drain_and_stop(cfg.server.drain_timeout_s)
+    await engine.stop()
+    _LOGGER.info("router stopped")
+    return 0
+
+
+def router_main(args) -> int:
+    cfg = load_config(args.config)
+    apply_overrides(cfg, args)
+    configure_logging(cfg.logging.level, cfg.logging.format, process="router")
+    return asyncio.run(run_router(cfg, args.model, args.config))
+
+
+def apply_overrides(cfg: RouterConfig, args) -> None:
+    """Command-line flags win over the config file."""
+    if getattr(args, "port", None) is not None:
+        cfg.server.port = args.port
+    if getattr(args, "metrics_port", None) is not None:
+        cfg.server.metrics_port = args.metrics_port
+    if getattr(args, "host", None):
+        cfg.server.host = args.host
+    if getattr(args, "executor_address", None):
+        cfg.executor.address = args.executor_address

@@ -1,0 +1,48 @@
+"""SchedulerOutput -> the executor's Plan message (full data for a sequence
+the executor has not seen, diffs afterwards)."""
+
+from __future__ import annotations
+
+from cbserve.v1 import executor_pb2 as pb
+from router.request import Request
+from router.scheduler import SchedulerOutput
+
+
+def _sampling(req: Request) -> pb.SeqSampling:
+    s = req.sampling
+    return pb.SeqSampling(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        has_seed=True,
+        seed=s.seed,
+        repetition_penalty=s.repetition_penalty,
+        logprobs=s.logprobs,
+    )
+
+
+def encode_plan(step_id: int, out: SchedulerOutput) -> pb.Plan:
+    seqs = []
+    for item in out.seqs:
+        req = item.req
+        msg = pb.ScheduledSeq(
+            seq_id=req.seq_id,
+            num_tokens=item.num_tokens,
+            new_block_ids=item.new_block_ids,
+            replace_block_table=item.replace_block_table,
+        )
+        if item.is_new:
+            msg.new.CopyFrom(pb.NewSeq(
+                token_ids=req.all_token_ids,
+                num_computed_tokens=req.num_computed_tokens,
+                sampling=_sampling(req),
+                num_output_tokens=len(req.output_token_ids),
+            ))
+        seqs.append(msg)
+    return pb.Plan(
+        step_id=step_id,
+        seqs=seqs,
+        free_seq_ids=out.free_seq_ids,
+        swap_out=[pb.BlockCopy(src=a, dst=b) for a, b in out.swap_out],
+        swap_in=[pb.BlockCopy(src=a, dst=b) for a, b in out.swap_in],
+    )

@@ -1,0 +1,49 @@
+"""The policy interface: ordering and admission only. Budgets, blocks and
+preemption mechanics live in the scheduler core and are shared by all."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from router.config import SchedulerConfig
+from router.request import Request
+
+
+class Policy:
+    """Subclass and override; every method has a continuous-batching default."""
+
+    name = "base"
+    # May a waiting request preempt running ones (memory or max_num_seqs)?
+    preemptive = False
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+
+    def waiting_key(self, req: Request, now: float) -> Any:
+        """Sort key of the waiting queue: smallest is admitted first."""
+        return (req.arrival_time, req.seq_id)
+
+    def running_key(self, req: Request) -> Any:
+        """Sort key of the running set: smallest gets the token budget first;
+        the largest is preempted first when memory runs out."""
+        return (req.arrival_time, req.seq_id)
+
+    def admission_limit(self, num_running: int, waiting: list[Request], now: float) -> float:
+        """How many waiting requests may start this iteration."""
+        return math.inf
+
+    def on_admitted(self, req: Request) -> None:
+        """Called for every waiting request that starts running."""
+
+    def on_preempted(self, req: Request) -> None:
+        """Called for every running request sent back to the queue."""
+
+    def next_wakeup(self, now: float, waiting: list[Request]) -> float | None:
+        """When idle with requests waiting, the time to look again (dynamic
+        batching's timer); None = only on new events."""
+        return None
+
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        """True if `waiting` may preempt `running` (preemptive policies only)."""
+        return False

@@ -1,0 +1,102 @@
+"""A request's life inside the router: tokens, KV progress, and how it ended."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+_SEQ_IDS = itertools.count(1)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class Finish(enum.Enum):
+    """Mirrors cbserve.v1.FinishReason (values are the proto numbers)."""
+
+    LENGTH = 1
+    EOS = 2
+    STOP_SEQUENCE = 3
+    CANCELLED = 4
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Stopping:
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    stopping: Stopping
+    priority: int = 0
+    expected_output_tokens: int | None = None
+    cache_salt: str = ""
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic seconds; None = no deadline
+    seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
+
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    # The executor holds this sequence's state (tokens, RNG, block table).
+    executor_has_state: bool = False
+    # Blocks allocated since the last plan, sent with the next one.
+    pending_block_ids: list[int] = field(default_factory=list)
+    replace_block_table: bool = False
+    num_preemptions: int = 0
+    finish: Finish | None = None
+    # Set from outside the engine loop; applied at the start of the next iteration.
+    abort_status: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_uncomputed > 1
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.stopping.max_new_tokens
+
+    @property
+    def job_size(self) -> int:
+        """SJF cost: the expected output (hint, else max_new_tokens) plus the
+        remaining prefill."""
+        out = self.expected_output_tokens or self.stopping.max_new_tokens
+        return max(0, out - len(self.output_token_ids)) + max(0, self.num_uncomputed - 1)

@@ -1,0 +1,309 @@
+"""The scheduler core: every iteration, who runs and how many tokens each
+computes. Policy-free: ordering and admission come from the policy; token
+budget, chunked prefill, KV blocks and preemption are handled here.
+
+One iteration (`schedule`):
+  1. priority preemption: a waiting request that outranks running ones takes
+     the place it needs (max_num_seqs or memory);
+  2. running sequences in policy order get the budget first (decodes cost one
+     token, unfinished prefills a chunk); when a sequence cannot get its next
+     block, the lowest-ranked unscheduled one is preempted (or itself);
+  3. swapped-out sequences come back, then waiting requests are admitted
+     (prefix-cache hits first) while budget, seats and blocks last.
+`update` applies the executor's result; `finish` is the one release path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from router.block_manager import BlockManager
+from router.config import SchedulerConfig
+from router.policies import Policy
+from router.request import Finish, Request, Status
+
+_LOGGER = structlog.get_logger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    num_tokens: int
+    new_block_ids: list[int]
+    # How many of num_tokens are prompt tokens (prefill work, for metrics).
+    num_prompt_tokens: int
+    is_new: bool  # the executor has no state for it yet: send tokens + sampling
+    replace_block_table: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    free_seq_ids: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(s.num_prompt_tokens for s in self.seqs)
+
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.free_seq_ids or self.swap_out or self.swap_in)
+
+
+@dataclass
+class TokenEvent:
+    req: Request
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, policy: Policy,
+                 eos_token_ids: list[int], max_context: int) -> None:
+        self.cfg = cfg
+        self.blocks = blocks
+        self.policy = policy
+        self.eos = set(eos_token_ids)
+        self.max_context = max_context
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.by_seq: dict[int, Request] = {}
+        self._to_free: list[int] = []  # executor state to drop with the next plan
+        self.num_preemptions = 0
+
+    # -- intake -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+        self.by_seq[req.seq_id] = req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._to_free)
+
+    def num_queued_tokens(self) -> int:
+        return sum(r.num_uncomputed for r in self.waiting)
+
+    def set_policy(self, cfg: SchedulerConfig, policy: Policy) -> None:
+        """Applied from the next iteration; in-flight requests stay where they are."""
+        self.cfg = cfg
+        self.policy = policy
+
+    # -- the one release path -------------------------------------------------
+    def finish(self, req: Request, reason: Finish) -> None:
+        if req.status == Status.FINISHED:
+            return
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
+        self.blocks.free(req)
+        if req.executor_has_state:
+            self._to_free.append(req.seq_id)
+            req.executor_has_state = False
+        req.pending_block_ids = []
+        req.status = Status.FINISHED
+        req.finish = reason
+        self.by_seq.pop(req.seq_id, None)
+
+    def reset(self) -> list[Request]:
+        """The executor lost its state: every request is released; returns
+        them so the caller can fail their streams."""
+        reqs = self.running + self.swapped + self.waiting
+        for req in list(reqs):
+            req.executor_has_state = False
+            self.finish(req, Finish.CANCELLED)
+        self._to_free.clear()
+        return reqs
+
+    # -- preemption -----------------------------------------------------------
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        victim.num_preemptions += 1
+        if self.cfg.preemption_mode == "swap" and self.blocks.can_swap_out(victim):
+            out.swap_out.extend(self.blocks.swap_out(victim))
+            victim.status = Status.SWAPPED
+            victim.pending_block_ids = []
+            self.swapped.append(victim)
+        else:
+            self.blocks.free(victim)
+            victim.num_computed_tokens = 0
+            victim.pending_block_ids = []
+            if victim.executor_has_state:
+                out.free_seq_ids.append(victim.seq_id)
+                victim.executor_has_state = False
+            victim.status = Status.WAITING
+            self.waiting.append(victim)
+        self.policy.on_preempted(victim)
+        _LOGGER.info("preempted", request_id=victim.request_id, mode=victim.status.value)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_uncomputed, budget)
+        if n > 1 and self.cfg.long_prefill_token_threshold:
+            n = min(n, self.cfg.long_prefill_token_threshold)
+        return n
+
+    def _priority_preemption(self, now: float, out: SchedulerOutput) -> None:
+        if not self.policy.preemptive or not self.waiting or not self.running:
+            return
+        for cand in sorted(self.waiting, key=lambda r: self.policy.waiting_key(r, now)):
+            first_chunk = min(cand.num_tokens, self.cfg.max_num_batched_tokens)
+            while self.running:
+                victim = max(self.running, key=self.policy.running_key)
+                seats = len(self.running) >= self.cfg.max_num_seqs
+                memory = not self.blocks.can_allocate(cand, first_chunk, reserve=self.blocks.watermark_blocks)
+                if not (seats or memory) or not self.policy.outranks(cand, victim):
+                    break
+                self._preempt(victim, out)
+            if len(self.running) >= self.cfg.max_num_seqs:
+                break
+
+    # -- one iteration ----------------------------------------------------------
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        out = SchedulerOutput(free_seq_ids=self._to_free)
+        self._to_free = []
+        self._priority_preemption(now, out)
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: set[int] = set()
+        memory_preempted = False
+
+        for req in sorted(self.running, key=self.policy.running_key):
+            if req.status != Status.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget <= 0:
+                break
+            n = self._chunk(req, budget)
+            if n <= 0:
+                continue
+            while True:
+                new = self.blocks.allocate(req, req.num_computed_tokens + n)
+                if new is not None:
+                    break
+                victims = [r for r in self.running if r.seq_id not in scheduled and r is not req]
+                if not victims:
+                    self._preempt(req, out)
+                    memory_preempted = True
+                    break
+                self._preempt(max(victims, key=self.policy.running_key), out)
+                memory_preempted = True
+            if req.status != Status.RUNNING:
+                continue
+            req.pending_block_ids.extend(new)
+            out.seqs.append(self._item(req, n))
+            scheduled.add(req.seq_id)
+            budget -= n
+
+        if not memory_preempted:
+            budget = self._resume_swapped(budget, now, out, scheduled)
+        if not memory_preempted and not self.swapped:
+            self._admit_waiting(budget, now, out)
+        return out
+
+    def _item(self, req: Request, n: int) -> ScheduledSeq:
+        prompt = max(0, min(req.num_computed_tokens + n, len(req.prompt_token_ids)) - req.num_computed_tokens)
+        item = ScheduledSeq(req, n, req.pending_block_ids, prompt, not req.executor_has_state,
+                            req.replace_block_table)
+        req.pending_block_ids = []
+        req.replace_block_table = False
+        return item
+
+    def _resume_swapped(self, budget: int, now: float, out: SchedulerOutput, scheduled: set[int]) -> int:
+        for req in sorted(self.swapped, key=lambda r: self.policy.waiting_key(r, now)):
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            n = self._chunk(req, budget)
+            grow = self.blocks.blocks_needed(req.num_computed_tokens + n) - self.blocks.num_swapped_blocks(req)
+            if not self.blocks.can_swap_in(req, reserve=max(0, grow)):
+                break
+            pairs = self.blocks.swap_in(req)
+            out.swap_in.extend(pairs)
+            new = self.blocks.allocate(req, req.num_computed_tokens + n)
+            req.pending_block_ids = [dev for _, dev in pairs] + (new or [])
+            req.replace_block_table = True
+            self.swapped.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.seqs.append(self._item(req, n))
+            scheduled.add(req.seq_id)
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, now: float, out: SchedulerOutput) -> None:
+        if not self.waiting:
+            return
+        limit = self.policy.admission_limit(len(self.running), self.waiting, now)
+        if limit <= 0:
+            return
+        self.waiting.sort(key=lambda r: self.policy.waiting_key(r, now))
+        admitted = 0
+        while self.waiting and budget > 0 and admitted < limit:
+            if len(self.running) >= self.cfg.max_num_seqs:
+                break
+            req = self.waiting[0]
+            cached = self.blocks.lookup_prefix(req)
+            computed = len(cached) * self.blocks.block_size
+            remaining = req.num_tokens - computed
+            if not self.cfg.enable_chunked_prefill and remaining > budget:
+                break
+            n = min(remaining, budget)
+            if n > 1 and self.cfg.long_prefill_token_threshold:
+                n = min(n, self.cfg.long_prefill_token_threshold)
+            new = self.blocks.allocate(req, computed + n, cached, reserve=self.blocks.watermark_blocks)
+            if new is None:
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens = computed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                req.num_cached_prompt_tokens = min(computed, len(req.prompt_token_ids))
+            req.status = Status.RUNNING
+            req.pending_block_ids = new
+            self.running.append(req)
+            self.policy.on_admitted(req)
+            out.seqs.append(self._item(req, n))
+            budget -= n
+            admitted += 1
+
+    # -- results ------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, seq_ids: list[int], token_ids: list[int],
+               logprobs: list[float], now: float | None = None) -> list[TokenEvent]:
+        """Applies a step's result; returns the requests that got a token.
+        Token-level stops (EOS, max_new_tokens, context) finish requests here."""
+        now = time.monotonic() if now is None else now
+        for item in out.seqs:
+            req = item.req
+            if req.status == Status.FINISHED:
+                continue
+            req.executor_has_state = True
+            req.num_computed_tokens += item.num_tokens
+            self.blocks.commit_computed(req)
+        events = []
+        for i, (seq_id, tok) in enumerate(zip(seq_ids, token_ids)):
+            req = self.by_seq.get(seq_id)
+            if req is None or req.status != Status.RUNNING:
+                continue  # finished or aborted while the step ran
+            req.output_token_ids.append(tok)
+            lp = logprobs[i] if logprobs else None
+            if lp is not None and req.sampling.logprobs:
+                req.output_logprobs.append(lp)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            events.append(TokenEvent(req, [tok], [lp] if lp is not None and req.sampling.logprobs else []))
+            if tok in self.eos and not req.stopping.ignore_eos:
+                self.finish(req, Finish.EOS)
+            elif len(req.output_token_ids) >= req.stopping.max_new_tokens or req.num_tokens >= self.max_context:
+                self.finish(req, Finish.LENGTH)
+        return events

@@ -1,0 +1,198 @@
+"""The public gRPC service `cbserve.v1.Generation`, with grpc.health.v1 and
+server reflection on the same port."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cbserve.v1 import generation_pb2 as gpb
+from cbserve.v1 import generation_pb2_grpc as gpb_grpc
+from router import __version__
+from router.auth import BearerTokenInterceptor, load_token
+from router.config import RouterConfig
+from router.engine import Delta, Engine
+from router.request import Finish
+from router.validation import RequestError, build_request, prompt_ids
+
+_LOGGER = structlog.get_logger(__name__)
+SERVICE_NAME = "cbserve.v1.Generation"
+
+
+class GenerationService(gpb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+
+    # -- admission ----------------------------------------------------------------
+    async def _admit(self, request: gpb.GenerateRequest, context):
+        eng = self.engine
+        if not eng.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining")
+        if not eng.ready.is_set() or eng.facts is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is not available")
+        facts = eng.facts
+        sched = eng.scheduler
+        lim = self.cfg.limits
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        usable_blocks = facts.num_blocks - sched.blocks.watermark_blocks
+        try:
+            req = build_request(request, eng.tokenizer, lim, facts.vocab_size, facts.max_context,
+                                usable_blocks * facts.block_size, deadline)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        if req.request_id in eng.handles:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight")
+        if len(sched.waiting) >= lim.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the queue is full ({lim.max_queued_requests} requests waiting)")
+        if sched.num_queued_tokens() + len(req.prompt_token_ids) > lim.max_queued_tokens:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the queue is full ({lim.max_queued_tokens} prompt tokens waiting)")
+        return eng.submit(req)
+
+    @staticmethod
+    def _response(rid: str, d: Delta, usage: gpb.Usage | None = None) -> gpb.GenerateResponse:
+        resp = gpb.GenerateResponse(request_id=rid, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs)
+        if d.finish is not None:
+            resp.finish_reason = d.finish.value
+        if usage is not None:
+            resp.usage.CopyFrom(usage)
+        return resp
+
+    @staticmethod
+    def _usage(req) -> gpb.Usage:
+        return gpb.Usage(prompt_tokens=len(req.prompt_token_ids),
+                         completion_tokens=len(req.output_token_ids),
+                         cached_prompt_tokens=req.num_cached_prompt_tokens)
+
+    # -- RPCs -----------------------------------------------------------------------
+    async def Generate(self, request, context):
+        handle = await self._admit(request, context)
+        req = handle.req
+        log = _LOGGER.bind(request_id=req.request_id)
+        log.debug("generate started", prompt_tokens=len(req.prompt_token_ids))
+        try:
+            while True:
+                d = await handle.next()
+                if d.error is not None:
+                    await context.abort(d.error[0], d.error[1])
+                last = d.finish is not None
+                if d.token_ids or d.text or last:
+                    yield self._response(req.request_id, d, self._usage(req) if last else None)
+                if last:
+                    return
+        finally:
+            if not handle.done:  # client cancelled, disconnected or hit its deadline
+                self.engine.abort(req)
+
+    async def Complete(self, request, context):
+        handle = await self._admit(request, context)
+        req = handle.req
+        acc = Delta()
+        try:
+            while True:
+                d = await handle.next()
+                if d.error is not None:
+                    await context.abort(d.error[0], d.error[1])
+                acc.token_ids += d.token_ids
+                acc.text += d.text
+                acc.logprobs += d.logprobs
+                if d.finish is not None:
+                    acc.finish = d.finish
+                    return self._response(req.request_id, acc, self._usage(req))
+        finally:
+            if not handle.done:
+                self.engine.abort(req)
+
+    async def Tokenize(self, request, context):
+        eng = self.engine
+        vocab = eng.facts.vocab_size if eng.facts else eng.tokenizer.vocab_size
+        try:
+            ids = prompt_ids(request, eng.tokenizer, self.cfg.limits, vocab)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        return gpb.TokenizeResponse(token_ids=ids, tokens=[eng.tokenizer.id_to_token(i) for i in ids])
+
+    async def ModelInfo(self, request, context):
+        eng = self.engine
+        f = eng.facts
+        if f is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is not available")
+        return gpb.ModelInfoResponse(
+            model=f.model, dtype=f.dtype, max_context_length=f.max_context, vocab_size=f.vocab_size,
+            block_size=f.block_size, num_kv_blocks=f.num_blocks, policy=self.cfg.scheduler.policy,
+            version=__version__, max_new_tokens_limit=self.cfg.limits.max_new_tokens,
+            attention_backend=f.attention_backend,
+        )
+
+
+def _credentials(cfg: RouterConfig):
+    s = cfg.server
+    if not s.tls_cert_file:
+        return None
+    with open(s.tls_key_file, "rb") as k, open(s.tls_cert_file, "rb") as c:
+        pair = (k.read(), c.read())
+    ca = None
+    if s.tls_client_ca_file:
+        with open(s.tls_client_ca_file, "rb") as fh:
+            ca = fh.read()
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class PublicServer:
+    """Runs the public port: Generation + Health + reflection."""
+
+    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        s = cfg.server
+        token = load_token(s.auth_token_file, s.auth_token_env)
+        interceptors = [BearerTokenInterceptor(token)] if token else []
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", s.max_receive_message_bytes),
+                ("grpc.max_metadata_size", s.max_metadata_bytes),
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_connection_age_ms", 10 * 60 * 1000),  # clients re-resolve DNS (k8s scale-out)
+                ("grpc.max_connection_age_grace_ms", 60 * 1000),
+            ],
+        )
+        gpb_grpc.add_GenerationServicer_to_server(GenerationService(engine, cfg), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        addr = f"{s.host}:{s.port}"
+        creds = _credentials(cfg)
+        self.port = self.server.add_secure_port(addr, creds) if creds else self.server.add_insecure_port(addr)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {addr}")
+        engine.on_ready_change(self._on_ready)
+
+    def _on_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready and self.engine.accepting \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        loop = asyncio.get_running_loop()
+        for name in ("", SERVICE_NAME):
+            loop.create_task(self.health.set(name, status))
+
+    async def start(self) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def drain_and_stop(self, timeout: float) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.engine.drain(timeout)
+        await self.server.stop(grace=1.0)

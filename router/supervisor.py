@@ -1,0 +1,98 @@
+"""`cbserve serve`: one machine, both processes. Starts the executor as a
+child process, runs the router in this one, restarts the executor when it dies
+or hangs, and stops both on SIGTERM / Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+
+import structlog
+
+from router.config import load_config
+from router.logging_setup import configure_logging
+from router.main import apply_overrides, run_router
+
+_LOGGER = structlog.get_logger(__name__)
+
+
+class ExecutorProcess:
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.proc: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self._stopping = False
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "executor", *self.argv, start_new_session=True)
+        _LOGGER.info("executor started", pid=self.proc.pid)
+
+    def kill(self, why: str) -> None:
+        """For a hung executor: SIGKILL; the watch loop restarts it."""
+        if self.proc is not None and self.proc.returncode is None:
+            _LOGGER.warning("killing executor", pid=self.proc.pid, reason=why)
+            self.proc.kill()
+
+    async def watch(self) -> None:
+        backoff = 0.5
+        while not self._stopping:
+            rc = await self.proc.wait()
+            if self._stopping:
+                return
+            self.restarts += 1
+            _LOGGER.error("executor exited; restarting", returncode=rc, restarts=self.restarts, in_s=backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+            await self.start()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def _serve(args) -> int:
+    cfg = load_config(args.config)
+    apply_overrides(cfg, args)
+    if not args.executor_address:
+        sock = os.path.join(tempfile.gettempdir(), f"cbserve-{os.getpid()}", "executor.sock")
+        cfg.executor.address = f"unix://{sock}"
+    exe_argv = ["--model", args.model, "--dtype", args.dtype, "--listen", cfg.executor.address,
+                "--attention-backend", args.attention_backend]
+    if args.config:
+        exe_argv += ["--config", args.config]
+    executor = ExecutorProcess(exe_argv)
+    await executor.start()
+    watcher = asyncio.get_running_loop().create_task(executor.watch())
+
+    def lost(why: str) -> None:
+        if "DEADLINE_EXCEEDED" in why:  # a hung step: the executor cannot be trusted
+            executor.kill(why)
+
+    async def started(server) -> None:
+        host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
+        _LOGGER.info("cbserve serving", grpc=f"{host}:{server.port}",
+                     metrics=f"http://{host}:{cfg.server.metrics_port}/metrics",
+                     try_it=f"cbserve generate --address {host}:{server.port} --chat 'What is the capital of France?'")
+
+    try:
+        return await run_router(cfg, args.model, args.config, on_executor_lost=lost, on_started=started)
+    finally:
+        await executor.stop()
+        watcher.cancel()
+
+
+def serve_main(args) -> int:
+    cfg = load_config(args.config)
+    configure_logging(cfg.logging.level, cfg.logging.format, process="router")
+    return asyncio.run(_serve(args))

