@@ -22,7 +22,7 @@ TINY_PREFIX = "tiny"
 # The tiny test model: big enough to exercise GQA, several blocks and the
 # native kernels' head dim, small enough to run a step in a millisecond.
 TINY_CONFIG = dict(
-    vocab_size=320,
+    vocab_size=259,  # <pad> <s> </s> + 256 bytes: every id decodes
     hidden_size=256,
     intermediate_size=512,
     num_hidden_layers=2,

@@ -294,7 +294,10 @@ class Engine:
         handle.queue.put_nowait(delta)
         now = time.monotonic()
         m = self.metrics
-        status = delta.error[0].name if delta.error else "OK"
+        if delta.error:
+            status = delta.error[0].name
+        else:
+            status = "CANCELLED" if delta.finish == Finish.CANCELLED else "OK"
         reason = (delta.finish or Finish.CANCELLED).name
         m.requests.labels(finish_reason=reason, status=status).inc()
         m.e2e_latency.observe(now - req.arrival_time)

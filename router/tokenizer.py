@@ -87,7 +87,7 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     spec = (model or "smollm2").strip()
     if spec == "tiny" or spec.startswith("tiny:"):
         hf = build_tiny_tokenizer()
-        vocab = 320
+        vocab = 259
     elif spec in ("smollm2", "default", "SmolLM2-135M-Instruct"):
         converted = os.path.join(_cache_dir(), "smollm2-hf")
         if os.path.isfile(os.path.join(converted, "tokenizer.json")):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from router.policies.base import Policy
-from router.request import Request
+from router.request import Request, Status
 
 
 class StaticPolicy(Policy):
@@ -33,7 +33,11 @@ class StaticPolicy(Policy):
         self._slots = max(0, self._slots - 1)
 
     def on_preempted(self, req: Request) -> None:
-        self._slots += 1
+        # A recomputed victim goes back to the waiting queue and needs its
+        # seat again; a swapped-out one comes back through swap-in, which is
+        # not an admission, so it must not open a seat for a newcomer.
+        if req.status == Status.WAITING:
+            self._slots += 1
 
 
 class DynamicPolicy(StaticPolicy):

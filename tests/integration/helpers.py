@@ -1,0 +1,36 @@
+"""Client-side helpers for the integration tests."""
+
+from __future__ import annotations
+
+import time
+
+from cbserve.v1 import generation_pb2 as gpb
+from cbserve.v1 import generation_pb2_grpc as gpb_grpc
+
+
+def gen_request(ids=None, text=None, max_new=8, ignore_eos=True, **kw) -> gpb.GenerateRequest:
+    req = gpb.GenerateRequest(stopping=gpb.StoppingCriteria(max_new_tokens=max_new, ignore_eos=ignore_eos,
+                                                            stop=kw.pop("stop", [])), **kw)
+    if ids is not None:
+        req.token_ids.ids.extend(ids)
+    if text is not None:
+        req.text = text
+    return req
+
+
+def stub(channel) -> gpb_grpc.GenerationStub:
+    return gpb_grpc.GenerationStub(channel)
+
+
+def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
+    """Polls metrics until nothing runs or waits and no KV block is held."""
+    end = time.monotonic() + timeout
+    m = {}
+    while time.monotonic() < end:
+        m = server.metrics()
+        if (m.get("cbserve_num_requests_running") == 0 and m.get("cbserve_num_requests_waiting") == 0
+                and m.get("cbserve_kv_cache_usage_ratio") == 0):
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"server not idle: running={m.get('cbserve_num_requests_running')} "
+                         f"waiting={m.get('cbserve_num_requests_waiting')} kv={m.get('cbserve_kv_cache_usage_ratio')}")
