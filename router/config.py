@@ -52,7 +52,10 @@ class ExecutorConfig:
     # Back-off between reconnection attempts after the executor went away.
     reconnect_backoff_s: float = 0.5
     reconnect_backoff_max_s: float = 5.0
-    # TLS for router<->executor over TCP: CA that signed the executor's cert.
+    # TLS for router<->executor over TCP: the executor's certificate and key
+    # (used by `cbserve serve` to start it) and the CA the router trusts.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     tls_ca_file: str = ""
 
 
@@ -231,6 +234,15 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         if path and not os.path.isfile(path):
             raise ConfigError(f"server.{name}: file {path!r} does not exist")
     _positive(cfg.executor.step_timeout_s, "executor.step_timeout_s")
+    ex = cfg.executor
+    if not (ex.address.startswith("unix://") or ":" in ex.address):
+        raise ConfigError(f"executor.address: {ex.address!r} is neither unix:///path nor host:port")
+    if bool(ex.tls_cert_file) != bool(ex.tls_key_file):
+        raise ConfigError("executor.tls_cert_file and executor.tls_key_file must be set together")
+    for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+        path = getattr(ex, name)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"executor.{name}: file {path!r} does not exist")
     if cfg.logging.level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"logging.level: {cfg.logging.level!r} is not debug|info|warning|error")
     if cfg.logging.format not in ("json", "console", "auto"):

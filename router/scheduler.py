@@ -184,7 +184,13 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget <= 0:
                 break
-            n = self._chunk(req, budget)
+            avail = budget
+            if req.num_uncomputed > 1:
+                # Decodes first: a prefill chunk leaves one token for every
+                # running decode still to be served in this loop.
+                avail -= sum(1 for r in self.running if r is not req and r.seq_id not in scheduled
+                             and r.status == Status.RUNNING and r.num_uncomputed == 1)
+            n = self._chunk(req, avail)
             if n <= 0:
                 continue
             while True:
@@ -207,9 +213,13 @@ class Scheduler:
 
         if not memory_preempted:
             budget = self._resume_swapped(budget, now, out, scheduled)
-        if not memory_preempted and not self.swapped:
             self._admit_waiting(budget, now, out)
         return out
+
+    def _outranked_by_waiting(self, req: Request) -> bool:
+        """A preemptive policy's swapped request yields to a waiting one that
+        outranks it (else a priority victim would be swapped straight back in)."""
+        return self.policy.preemptive and any(self.policy.outranks(w, req) for w in self.waiting)
 
     def _item(self, req: Request, n: int) -> ScheduledSeq:
         prompt = max(0, min(req.num_computed_tokens + n, len(req.prompt_token_ids)) - req.num_computed_tokens)
@@ -223,6 +233,8 @@ class Scheduler:
         for req in sorted(self.swapped, key=lambda r: self.policy.waiting_key(r, now)):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
+            if self._outranked_by_waiting(req):
+                continue
             n = self._chunk(req, budget)
             grow = self.blocks.blocks_needed(req.num_computed_tokens + n) - self.blocks.num_swapped_blocks(req)
             if not self.blocks.can_swap_in(req, reserve=max(0, grow)):
@@ -241,7 +253,7 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, now: float, out: SchedulerOutput) -> None:
-        if not self.waiting:
+        if not self.waiting or (self.swapped and not self.policy.preemptive):
             return
         limit = self.policy.admission_limit(len(self.running), self.waiting, now)
         if limit <= 0:
@@ -252,6 +264,8 @@ class Scheduler:
             if len(self.running) >= self.cfg.max_num_seqs:
                 break
             req = self.waiting[0]
+            if not all(self.policy.outranks(req, s) for s in self.swapped):
+                break  # swapped requests come back first, unless outranked
             cached = self.blocks.lookup_prefix(req)
             computed = len(cached) * self.blocks.block_size
             remaining = req.num_tokens - computed

@@ -71,6 +71,8 @@ async def _serve(args) -> int:
                 "--attention-backend", args.attention_backend]
     if args.config:
         exe_argv += ["--config", args.config]
+    if cfg.executor.tls_cert_file and not cfg.executor.address.startswith("unix://"):
+        exe_argv += ["--tls-cert", cfg.executor.tls_cert_file, "--tls-key", cfg.executor.tls_key_file]
     executor = ExecutorProcess(exe_argv)
     await executor.start()
     watcher = asyncio.get_running_loop().create_task(executor.watch())

@@ -38,12 +38,15 @@ class Server:
     metrics_port: int
     log_path: str
     config_path: str
+    credentials: grpc.ChannelCredentials | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def channel(self) -> grpc.Channel:
+        if self.credentials is not None:
+            return grpc.secure_channel(self.address, self.credentials)
         return grpc.insecure_channel(self.address)
 
     def log(self) -> str:
@@ -84,11 +87,13 @@ class Server:
         return self.proc.returncode
 
 
-def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     end = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < end:
             if proc is not None and proc.poll() is not None:
@@ -105,7 +110,7 @@ def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = N
 
 def start_server(model: str = "tiny", config: dict | None = None, dtype: str = "float32",
                  backend: str = "native", timeout: float = 120.0, extra_args: list[str] | None = None,
-                 env: dict | None = None) -> Server:
+                 env: dict | None = None, credentials: grpc.ChannelCredentials | None = None) -> Server:
     cfg = {"cache": {"num_blocks": 512, "block_size": 16}, "logging": {"format": "json"}}
     for key, section in (config or {}).items():
         cfg.setdefault(key, {}).update(section)
@@ -120,9 +125,9 @@ def start_server(model: str = "tiny", config: dict | None = None, dtype: str = "
     proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=REPO,
                             env={**os.environ, **(env or {})})
     os.close(log_fd)
-    server = Server(proc, port, mport, log_path, cfg_path)
+    server = Server(proc, port, mport, log_path, cfg_path, credentials)
     try:
-        wait_serving(server.address, timeout, proc)
+        wait_serving(server.address, timeout, proc, credentials)
     except Exception:
         server.stop(5)
         raise RuntimeError(f"server did not start:\n{server.log()[-4000:]}")

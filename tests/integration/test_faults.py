@@ -1,0 +1,129 @@
+"""Failures with real processes: the executor killed or hung mid-generation,
+and a graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cbserve.v1 import generation_pb2 as gpb
+from tests.conftest import start_server, wait_serving
+from tests.integration.helpers import gen_request, stub, wait_idle
+
+
+def _stream_in_thread(server, results, i, max_new=1500):
+    try:
+        with server.channel() as ch:
+            n = 0
+            for msg in stub(ch).Generate(gen_request([5, 6, 7 + i], max_new=max_new)):
+                n += len(msg.token_ids)
+                if msg.finish_reason:
+                    results[i] = ("finished", gpb.FinishReason.Name(msg.finish_reason), n)
+                    return
+    except grpc.RpcError as exc:
+        results[i] = ("error", exc.code(), time.monotonic())
+
+
+def _start_streams(server, n, max_new=1500):
+    results = [None] * n
+    threads = [threading.Thread(target=_stream_in_thread, args=(server, results, i, max_new)) for i in range(n)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 10
+    while server.metrics()["cbserve_num_requests_running"] < n and time.monotonic() < end:
+        time.sleep(0.05)
+    return results, threads
+
+
+def _health(server) -> int:
+    with server.channel() as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return -1
+
+
+def _assert_recovered(server, router_pid):
+    wait_serving(server.address, 60)
+    assert server.proc.pid == router_pid and server.proc.poll() is None  # no router restart
+    with server.channel() as ch:
+        out = stub(ch).Complete(gen_request([5, 6, 7], max_new=4))
+    assert len(out.token_ids) == 4
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_executor_failure_ends_requests_unavailable_and_recovers(fault):
+    server = start_server("tiny", config={"executor": {"step_timeout_s": 2.0}})
+    try:
+        router_pid = server.proc.pid
+        exe = server.executor_pid()
+        results, threads = _start_streams(server, 4)
+        t0 = time.monotonic()
+        os.kill(exe, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        saw_not_serving = False
+        while any(t.is_alive() for t in threads) and time.monotonic() - t0 < 15:
+            saw_not_serving |= _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+            time.sleep(0.05)
+        for t in threads:
+            t.join(1)
+        assert all(r is not None and r[0] == "error" and r[1] == grpc.StatusCode.UNAVAILABLE for r in results), results
+        assert max(r[2] for r in results) - t0 < 10
+        end = time.monotonic() + 5
+        while not saw_not_serving and time.monotonic() < end:
+            saw_not_serving = _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert saw_not_serving or _health(server) == health_pb2.HealthCheckResponse.SERVING
+        if fault == "hang":
+            # The supervisor kills a hung executor: the stopped process is gone.
+            end = time.monotonic() + 10
+            while psutil.pid_exists(exe) and psutil.Process(exe).status() != psutil.STATUS_ZOMBIE \
+                    and time.monotonic() < end:
+                time.sleep(0.1)
+        _assert_recovered(server, router_pid)
+        assert server.executor_pid() != exe
+        m = server.metrics()
+        assert m["cbserve_requests_total{finish_reason=CANCELLED,status=UNAVAILABLE}"] >= 4
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_in_flight_then_exits_zero():
+    server = start_server("tiny", config={"server": {"drain_timeout_s": 20.0}})
+    exe = server.executor_pid()
+    results, threads = _start_streams(server, 3, max_new=300)
+    server.proc.send_signal(signal.SIGTERM)
+    end = time.monotonic() + 5
+    while _health(server) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < end:
+        time.sleep(0.02)
+    assert _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with server.channel() as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            stub(ch).Complete(gen_request([5, 6], max_new=2))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    for t in threads:
+        t.join(60)
+    assert results == [("finished", "LENGTH", 300)] * 3  # in-flight requests completed
+    assert server.proc.wait(30) == 0
+    end = time.monotonic() + 10
+    while psutil.pid_exists(exe) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(exe) or psutil.Process(exe).status() == psutil.STATUS_ZOMBIE
+
+
+def test_drain_timeout_cancels_what_is_left():
+    server = start_server("tiny", config={"server": {"drain_timeout_s": 1.0}})
+    results, threads = _start_streams(server, 2, max_new=1900)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    assert server.proc.wait(30) == 0
+    assert time.monotonic() - t0 < 15
+    assert all(r is not None and (r[:2] == ("finished", "CANCELLED")) for r in results), results

@@ -1,0 +1,176 @@
+"""TLS, mTLS and bearer-token auth on the public port, TLS between router and
+executor over TCP, and the co-located socket's permissions. Certificates are
+made in the test."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import stat
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import free_port, start_server
+from tests.integration.helpers import gen_request, stub
+
+
+def _make_ca_and_certs(tmp):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def key():
+        return ec.generate_private_key(ec.SECP256R1())
+
+    def write(name, data):
+        path = os.path.join(tmp, name)
+        with open(path, "wb") as fh:
+            fh.write(data)
+        return path
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = key()
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cbserve test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+
+    def leaf(cn, server):
+        k = key()
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+             .issuer_name(ca_name).public_key(k.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1)))
+        if server:
+            import ipaddress
+
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        cert = b.sign(ca_key, hashes.SHA256())
+        return (cert.public_bytes(serialization.Encoding.PEM),
+                k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()))
+
+    s_cert, s_key = leaf("localhost", True)
+    c_cert, c_key = leaf("client", False)
+    return {
+        "ca": write("ca.pem", ca.public_bytes(serialization.Encoding.PEM)),
+        "server_cert": write("server.pem", s_cert), "server_key": write("server.key", s_key),
+        "client_cert": write("client.pem", c_cert), "client_key": write("client.key", c_key),
+    }
+
+
+def _read(path):
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return _make_ca_and_certs(str(tmp_path_factory.mktemp("certs")))
+
+
+def _check_health(channel):
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_tls_and_mtls_on_the_public_port(certs):
+    good = grpc.ssl_channel_credentials(_read(certs["ca"]), _read(certs["client_key"]), _read(certs["client_cert"]))
+    server = start_server("tiny", config={"server": {
+        "tls_cert_file": certs["server_cert"], "tls_key_file": certs["server_key"],
+        "tls_client_ca_file": certs["ca"]}}, credentials=good)
+    try:
+        with server.channel() as ch:
+            out = stub(ch).Complete(gen_request([5, 6, 7], max_new=3))
+            assert len(out.token_ids) == 3
+        no_client_cert = grpc.ssl_channel_credentials(_read(certs["ca"]))
+        with grpc.secure_channel(server.address, no_client_cert) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                stub(ch).Complete(gen_request([5, 6, 7], max_new=3), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(server.address) as ch:  # plaintext is refused
+            with pytest.raises(grpc.RpcError):
+                stub(ch).Complete(gen_request([5, 6, 7], max_new=3), timeout=5)
+    finally:
+        server.stop()
+
+
+def test_tls_without_client_certificates(certs):
+    creds = grpc.ssl_channel_credentials(_read(certs["ca"]))
+    server = start_server("tiny", config={"server": {
+        "tls_cert_file": certs["server_cert"], "tls_key_file": certs["server_key"]}}, credentials=creds)
+    try:
+        with server.channel() as ch:
+            assert len(stub(ch).Complete(gen_request([5, 6, 7], max_new=2)).token_ids) == 2
+    finally:
+        server.stop()
+
+
+def test_bearer_token_auth_keeps_health_open(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    server = start_server("tiny", config={"server": {"auth_token_file": str(token_file)}})
+    try:
+        with server.channel() as ch:
+            s = stub(ch)
+            assert _check_health(ch) == health_pb2.HealthCheckResponse.SERVING
+            for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret-token")]):
+                for call in (lambda md: s.Complete(gen_request([5], max_new=2), metadata=md),
+                             lambda md: list(s.Generate(gen_request([5], max_new=2), metadata=md))):
+                    with pytest.raises(grpc.RpcError) as err:
+                        call(metadata)
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            out = s.Complete(gen_request([5], max_new=2), metadata=[("authorization", "Bearer s3cret-token")])
+            assert len(out.token_ids) == 2
+    finally:
+        server.stop()
+
+
+def test_token_from_environment_variable():
+    server = start_server("tiny", config={"server": {"auth_token_env": "CBSERVE_TEST_TOKEN"}},
+                          env={"CBSERVE_TEST_TOKEN": "env-token"})
+    try:
+        with server.channel() as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                stub(ch).Complete(gen_request([5], max_new=1))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            out = stub(ch).Complete(gen_request([5], max_new=1), metadata=[("authorization", "Bearer env-token")])
+            assert len(out.token_ids) == 1
+    finally:
+        server.stop()
+
+
+def test_router_to_executor_over_tcp_with_tls(certs):
+    port = free_port()
+    server = start_server("tiny", config={"executor": {
+        "tls_cert_file": certs["server_cert"], "tls_key_file": certs["server_key"], "tls_ca_file": certs["ca"]}},
+        extra_args=["--executor-address", f"127.0.0.1:{port}"])
+    try:
+        with server.channel() as ch:
+            assert len(stub(ch).Complete(gen_request([5, 6], max_new=3)).token_ids) == 3
+        # The executor really speaks TLS: a plaintext client cannot use it.
+        from cbserve.v1 import executor_pb2, executor_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.RpcError):
+                executor_pb2_grpc.ExecutorStub(ch).Describe(executor_pb2.DescribeRequest(), timeout=3)
+    finally:
+        server.stop()
+
+
+def test_colocated_executor_socket_is_private():
+    server = start_server("tiny")
+    try:
+        import psutil
+
+        cmd = psutil.Process(server.executor_pid()).cmdline()
+        listen = cmd[cmd.index("--listen") + 1]
+        path = listen.removeprefix("unix://")
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode & 0o077 == 0, oct(mode)
+    finally:
+        server.stop()

@@ -1,0 +1,8 @@
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+for p in (HERE, ROOT, ROOT / "protos"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
