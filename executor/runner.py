@@ -48,7 +48,8 @@ def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
-                 num_swap_blocks: int = 0, attention_backend: str = "native") -> None:
+                 num_swap_blocks: int = 0, attention_backend: str = "native",
+                 prepack: bool = True) -> None:
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -57,6 +58,10 @@ class ModelRunner:
         self.backend = attention_backend
         self.ops = attention.backend_ops(attention_backend)
         model.set_attn_implementation(attention.register())
+        if prepack:
+            from executor.packed_linear import prepack_linears
+
+            prepack_linears(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                                       block_size, self.dtype)
@@ -107,7 +112,7 @@ class ModelRunner:
         self.state.free(plan.free_seq_ids)
         self.kv.swap_out([(c.src, c.dst) for c in plan.swap_out])
         self.kv.swap_in([(c.src, c.dst) for c in plan.swap_in])
-        scheduled = [(s.seq_id, s.num_tokens, self._admit(s)) for s in plan.seqs if True]
+        scheduled = [(s.seq_id, s.num_tokens, self._admit(s)) for s in plan.seqs]
         scheduled = [x for x in scheduled if x[1] > 0]
         if not scheduled:
             return StepOutput([], [], None, 0.0, time.perf_counter() - t0)

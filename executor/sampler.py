@@ -80,7 +80,9 @@ def sample(
     want_logprobs = any(p.logprobs for p in params)
     raw_logprobs = torch.log_softmax(logits, -1) if want_logprobs else None
     if all(p.greedy and not p.needs_history for p in params):
-        tokens = torch.argmax(logits, dim=-1).tolist()
+        # max() is several times faster than argmax() on CPU and returns the
+        # first maximal index too.
+        tokens = logits.max(dim=-1).indices.tolist()
     else:
         tokens = []
         for row, (p, hist, idx) in enumerate(zip(params, histories, output_indices)):

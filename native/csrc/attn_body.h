@@ -1,0 +1,292 @@
+// The CPU paged-attention kernel, written once against a small vector
+// abstraction `V` and included by each ISA translation unit
+// (cpu_kernels_{generic,avx2,avx512}.cpp) after it defines `V`. Everything has
+// internal linkage (anonymous namespace): each TU gets its own copy compiled
+// for its own instruction set, and nothing is shared through the linker.
+//
+// V must provide:
+//   using R = <register type>;  static constexpr int W;   // fp32 lanes
+//   static constexpr int RT_S, CT_S;  // score micro-tile: rows x vectors
+//   static constexpr int RT_P, CT_P;  // P.V micro-tile: rows x vectors
+//   R zero(); R set1(float); R load(const float*); void store(float*, R);
+//   R fma(R a, R b, R c) /* a*b+c */; R add(R, R); R mul(R, R); R max(R, R); R sub(R, R);
+//   float hmax(R); float hsum(R); R exp(R) /* 0 for x < -87 */;
+//   void to_f32(const void* src, int dtype, float* dst, int64_t n);
+//   void from_f32(const float* src, int dtype, void* dst, int64_t n);
+//   void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D,
+//                float* kt, int64_t ldkt);   // kt[d*ldkt + t] = k[t*ld + d]
+#pragma once
+
+#include "half_utils.h"
+#include "kernels.h"
+
+#define CB_UNROLL _Pragma("GCC unroll 16")
+
+namespace {
+
+using cbserve_native::AttnItem;
+using cbserve_native::AttnParams;
+using cbserve_native::kPad;
+using cbserve_native::round_up;
+
+static inline int64_t cb_min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t cb_max(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// S[r, c*W..] = sum_d Q[r, d] * Kt[d, c*W..] for an R x C register tile.
+template <int R, int C>
+static inline void score_tile(const float* __restrict Q, int64_t ldq, const float* __restrict Kt,
+                              int64_t ldk, float* __restrict S, int64_t lds, int64_t D) {
+  typename V::R acc[R][C];
+  CB_UNROLL for (int r = 0; r < R; ++r) {
+    CB_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    typename V::R k[C];
+    CB_UNROLL for (int c = 0; c < C; ++c) k[c] = V::load(Kt + d * ldk + c * V::W);
+    CB_UNROLL for (int r = 0; r < R; ++r) {
+      const typename V::R q = V::set1(Q[r * ldq + d]);
+      CB_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = V::fma(q, k[c], acc[r][c]);
+    }
+  }
+  CB_UNROLL for (int r = 0; r < R; ++r) {
+    CB_UNROLL for (int c = 0; c < C; ++c) V::store(S + r * lds + c * V::W, acc[r][c]);
+  }
+}
+
+// A[r, c*W..] += sum_{t < n} P[r, t] * Vb[t, c*W..] for an R x C register tile.
+template <int R, int C>
+static inline void pv_tile(const float* __restrict P, int64_t ldp, const float* __restrict Vb,
+                           int64_t ldv, float* __restrict A, int64_t lda, int64_t n) {
+  typename V::R acc[R][C];
+  CB_UNROLL for (int r = 0; r < R; ++r) {
+    CB_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = V::load(A + r * lda + c * V::W);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    typename V::R v[C];
+    CB_UNROLL for (int c = 0; c < C; ++c) v[c] = V::load(Vb + t * ldv + c * V::W);
+    CB_UNROLL for (int r = 0; r < R; ++r) {
+      const typename V::R p = V::set1(P[r * ldp + t]);
+      CB_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = V::fma(p, v[c], acc[r][c]);
+    }
+  }
+  CB_UNROLL for (int r = 0; r < R; ++r) {
+    CB_UNROLL for (int c = 0; c < C; ++c) V::store(A + r * lda + c * V::W, acc[r][c]);
+  }
+}
+
+template <int R>
+static inline void score_rows(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, float* S,
+                              int64_t lds, int64_t D, int64_t cvecs) {
+  for (int64_t c0 = 0; c0 < cvecs; c0 += V::CT_S) {
+    const float* k = Kt + c0 * V::W;
+    float* s = S + c0 * V::W;
+    switch (cb_min(V::CT_S, cvecs - c0)) {
+      case 1: score_tile<R, 1>(Q, ldq, k, ldk, s, lds, D); break;
+      case 2: if constexpr (V::CT_S >= 2) score_tile<R, 2>(Q, ldq, k, ldk, s, lds, D); break;
+      case 3: if constexpr (V::CT_S >= 3) score_tile<R, 3>(Q, ldq, k, ldk, s, lds, D); break;
+      default: if constexpr (V::CT_S >= 4) score_tile<R, V::CT_S>(Q, ldq, k, ldk, s, lds, D); break;
+    }
+  }
+}
+
+static inline void scores(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, float* S,
+                          int64_t lds, int64_t D, int64_t rows, int64_t cvecs) {
+  static_assert(V::RT_S >= 1 && V::RT_S <= 6, "row tile");
+  for (int64_t r0 = 0; r0 < rows; r0 += V::RT_S) {
+    const float* q = Q + r0 * ldq;
+    float* s = S + r0 * lds;
+    switch (cb_min(V::RT_S, rows - r0)) {
+      case 1: score_rows<1>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
+      case 2: if constexpr (V::RT_S >= 2) score_rows<2>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
+      case 3: if constexpr (V::RT_S >= 3) score_rows<3>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
+      case 4: if constexpr (V::RT_S >= 4) score_rows<4>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
+      case 5: if constexpr (V::RT_S >= 5) score_rows<5>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
+      default: if constexpr (V::RT_S >= 6) score_rows<6>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
+    }
+  }
+}
+
+template <int R>
+static inline void pv_rows(const float* P, int64_t ldp, const float* Vb, int64_t ldv, float* A,
+                           int64_t lda, int64_t n, int64_t dvecs) {
+  for (int64_t c0 = 0; c0 < dvecs; c0 += V::CT_P) {
+    const float* v = Vb + c0 * V::W;
+    float* a = A + c0 * V::W;
+    switch (cb_min(V::CT_P, dvecs - c0)) {
+      case 1: pv_tile<R, 1>(P, ldp, v, ldv, a, lda, n); break;
+      case 2: if constexpr (V::CT_P >= 2) pv_tile<R, 2>(P, ldp, v, ldv, a, lda, n); break;
+      case 3: if constexpr (V::CT_P >= 3) pv_tile<R, 3>(P, ldp, v, ldv, a, lda, n); break;
+      default: if constexpr (V::CT_P >= 4) pv_tile<R, V::CT_P>(P, ldp, v, ldv, a, lda, n); break;
+    }
+  }
+}
+
+// Rows are ordered token-major, so the number of visible tokens `nv[r]` is
+// non-decreasing in r; a row tile uses the count of its last row (P is zero
+// beyond each row's own count). Only columns [col0, col0 + seg_n) of P are
+// used, against the V rows Vb[0 .. seg_n).
+static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv, float* A,
+                      int64_t lda, const int32_t* nv, int64_t rows, int64_t dvecs, int64_t col0,
+                      int64_t seg_n) {
+  static_assert(V::RT_P >= 1 && V::RT_P <= 4, "row tile");
+  for (int64_t r0 = 0; r0 < rows; r0 += V::RT_P) {
+    const int64_t rr = cb_min(V::RT_P, rows - r0);
+    const int64_t n = cb_min(seg_n, nv[r0 + rr - 1] - col0);
+    if (n <= 0) continue;
+    const float* p = P + r0 * ldp + col0;
+    float* a = A + r0 * lda;
+    switch (rr) {
+      case 1: pv_rows<1>(p, ldp, Vb, ldv, a, lda, n, dvecs); break;
+      case 2: if constexpr (V::RT_P >= 2) pv_rows<2>(p, ldp, Vb, ldv, a, lda, n, dvecs); break;
+      case 3: if constexpr (V::RT_P >= 3) pv_rows<3>(p, ldp, Vb, ldv, a, lda, n, dvecs); break;
+      default: if constexpr (V::RT_P >= 4) pv_rows<4>(p, ldp, Vb, ldv, a, lda, n, dvecs); break;
+    }
+  }
+}
+
+static void attn_item_impl(const AttnParams& p, const AttnItem& it, float* scratch) {
+  const int64_t D = p.head_dim, bs = p.block_size, hq = p.hq, hkv = p.hkv;
+  const int64_t G = hq / hkv, h = it.kv_head;
+  const int dtype = p.dtype;
+  const int64_t esize = dtype == cbserve_native::kF32 ? 4 : 2;
+  const int64_t q0 = p.cu_seqlens[it.seq];
+  const int64_t q_len = p.cu_seqlens[it.seq + 1] - q0;
+  const int64_t kv_len = p.seq_lens[it.seq];
+  const int64_t ctx = kv_len - q_len;  // position of the sequence's first query token
+  const int64_t nq = it.q_end - it.q_begin;
+  const int64_t M = nq * G;
+  if (M <= 0) return;
+  const int64_t KT = cbserve_native::kv_tile(bs, M);
+  const int64_t DP = round_up(D, kPad), NP = round_up(KT, kPad);
+
+  float* Qf = scratch;            // [M, DP]   scaled queries, fp32
+  float* Acc = Qf + M * DP;       // [M, DP]   un-normalised output
+  float* mrow = Acc + M * DP;     // [M]       running max
+  float* lrow = mrow + M;         // [M]       running sum
+  float* S = lrow + M;            // [M, NP]   scores, then probabilities
+  float* Kt = S + M * NP;         // [DP, NP]  K block, transposed, fp32
+  float* Vf = Kt + DP * NP;       // [NP, DP]  V block, fp32
+  int32_t* nv = reinterpret_cast<int32_t*>(Vf + NP * DP);  // [M] visible tokens per row
+
+  const char* qbase = static_cast<const char*>(p.query);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const int64_t off = ((q0 + it.q_begin + i) * hq + h * G + g) * D;
+      float* qr = Qf + r * DP;
+      V::to_f32(qbase + off * esize, dtype, qr, D);
+      for (int64_t d = 0; d < D; ++d) qr[d] *= p.scale;
+      for (int64_t d = D; d < DP; ++d) qr[d] = 0.f;
+      float* ar = Acc + r * DP;
+      for (int64_t d = 0; d < DP; ++d) ar[d] = 0.f;
+      mrow[r] = -__builtin_inff();
+      lrow[r] = 0.f;
+    }
+  }
+
+  const int64_t kv_hi = ctx + it.q_end;  // exclusive end of the KV range any row sees
+  const int64_t ntiles = (kv_hi + KT - 1) / KT;
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  const int64_t ld = hkv * D;  // elements between consecutive tokens of one head
+  // fp32 V is read in place (one P.V pass per cache block) when the item is
+  // small (decode); bigger items gather it once per tile so the P.V register
+  // tiles run over the whole tile.
+  const bool direct_v = dtype == cbserve_native::kF32 && D % V::W == 0 && M < 16;
+  const char* kc = static_cast<const char*>(p.key_cache);
+  const char* vc = static_cast<const char*>(p.value_cache);
+  const int64_t dvecs = DP / V::W;
+  const float ninf = -__builtin_inff();
+
+  for (int64_t j = 0; j < ntiles; ++j) {
+    const int64_t t0 = j * KT;
+    const int64_t n = cb_min(KT, kv_hi - t0);
+    // First row that sees any token of this tile (position >= t0).
+    const int64_t i_start = cb_max(0, t0 - ctx - it.q_begin);
+    const int64_t r_start = i_start * G;
+    const int64_t rows = M - r_start;
+    const int64_t cvecs = (n + V::W - 1) / V::W;
+    const int64_t ncols = cvecs * V::W;
+
+    // Gather the tile's K (transposed) and, unless read in place, V as fp32.
+    for (int64_t s0 = 0; s0 < n; s0 += bs) {
+      const int64_t blk = table[(t0 + s0) / bs];
+      const int64_t sn = cb_min(bs, n - s0);
+      const int64_t base = (blk * bs * hkv + h) * D;  // element offset of (blk, 0, h, 0)
+      V::pack_kt(kc + base * esize, ld, dtype, sn, D, Kt + s0, NP);
+      if (!direct_v) {
+        for (int64_t t = 0; t < sn; ++t) {
+          float* vr = Vf + (s0 + t) * DP;
+          V::to_f32(vc + (base + t * ld) * esize, dtype, vr, D);
+          for (int64_t d = D; d < DP; ++d) vr[d] = 0.f;
+        }
+      }
+    }
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = n; t < ncols; ++t) Kt[d * NP + t] = 0.f;
+
+    scores(Qf + r_start * DP, DP, Kt, NP, S + r_start * NP, NP, D, rows, cvecs);
+
+    // Online softmax update, row by row.
+    for (int64_t r = r_start; r < M; ++r) {
+      const int64_t pos = ctx + it.q_begin + r / G;
+      const int64_t vis = cb_min(n, pos - t0 + 1);  // >= 1 for r >= r_start
+      nv[r] = static_cast<int32_t>(vis);
+      float* s = S + r * NP;
+      for (int64_t t = vis; t < ncols; ++t) s[t] = ninf;
+      typename V::R mx = V::set1(ninf);
+      for (int64_t c = 0; c < ncols; c += V::W) mx = V::max(mx, V::load(s + c));
+      const float bmax = V::hmax(mx);
+      const float m_old = mrow[r];
+      const float m_new = bmax > m_old ? bmax : m_old;
+      const typename V::R mv = V::set1(m_new);
+      typename V::R sum = V::zero();
+      for (int64_t c = 0; c < ncols; c += V::W) {
+        const typename V::R e = V::exp(V::sub(V::load(s + c), mv));
+        V::store(s + c, e);
+        sum = V::add(sum, e);
+      }
+      const float corr = m_old == ninf ? 0.f : __builtin_expf(m_old - m_new);
+      lrow[r] = lrow[r] * corr + V::hsum(sum);
+      mrow[r] = m_new;
+      if (corr != 1.f) {
+        float* a = Acc + r * DP;
+        const typename V::R cv = V::set1(corr);
+        for (int64_t d = 0; d < DP; d += V::W) V::store(a + d, V::mul(V::load(a + d), cv));
+      }
+    }
+
+    if (direct_v) {
+      for (int64_t s0 = 0; s0 < n; s0 += bs) {
+        const int64_t blk = table[(t0 + s0) / bs];
+        const float* vb = reinterpret_cast<const float*>(vc) + (blk * bs * hkv + h) * D;
+        pv(S + r_start * NP, NP, vb, ld, Acc + r_start * DP, DP, nv + r_start, rows, dvecs, s0,
+           cb_min(bs, n - s0));
+      }
+    } else {
+      pv(S + r_start * NP, NP, Vf, DP, Acc + r_start * DP, DP, nv + r_start, rows, dvecs, 0, n);
+    }
+  }
+
+  char* obase = static_cast<char*>(p.out);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      float* a = Acc + r * DP;
+      const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
+      const typename V::R iv = V::set1(inv);
+      for (int64_t d = 0; d < DP; d += V::W) V::store(a + d, V::mul(V::load(a + d), iv));
+      const int64_t off = ((q0 + it.q_begin + i) * hq + h * G + g) * D;
+      V::from_f32(a, dtype, obase + off * esize, D);
+    }
+  }
+}
+
+// Portable helpers a V can reuse.
+static inline void scalar_to_f32(const void* src, int dtype, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = cb_load_scalar(src, i, dtype);
+}
+static inline void scalar_from_f32(const float* src, int dtype, void* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) cb_store_scalar(dst, i, dtype, src[i]);
+}
+
+}  // namespace

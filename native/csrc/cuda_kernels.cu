@@ -1,0 +1,234 @@
+// CUDA twins of the CPU ops, against raw device pointers (no torch headers):
+// compiled by setup.py's CUDAExtension when a CUDA toolkit and a CUDA build of
+// torch are present, and standalone by `make native-cuda-check`.
+//
+// paged_attention: one thread block per (query-row tile, KV head, sequence);
+// a row is one (query token, query head of the GQA group) pair, one warp per
+// row, kRows warps per block. The block streams the sequence's KV through
+// shared memory in tiles of kTile tokens (read once per tile for all rows of
+// the block, i.e. for the whole GQA group), each lane scores one token of the
+// tile, and each warp keeps an online softmax (running max / sum) and its
+// output row in registers (lane owns dims lane, lane+32, ...). No
+// [q_len, kv_len] matrix is ever materialised.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda_launchers.h"
+
+namespace {
+
+constexpr int kRows = 8;    // warps (rows) per block
+constexpr int kTile = 32;   // KV tokens per shared-memory tile
+constexpr int kMaxDPerLane = CBSERVE_CUDA_MAX_HEAD_DIM / 32;
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRows * 32)
+    paged_attention_kernel(T* __restrict__ out, const T* __restrict__ query,
+                           const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+                           const int32_t* __restrict__ block_tables,
+                           const int32_t* __restrict__ cu_seqlens, const int32_t* __restrict__ seq_lens,
+                           int max_blocks, int hq, int hkv, int D, int bs, float scale) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int G = hq / hkv;
+  const int q0 = cu_seqlens[b];
+  const int q_len = cu_seqlens[b + 1] - q0;
+  const int rows = q_len * G;
+  const int row0 = blockIdx.x * kRows;
+  if (row0 >= rows) return;  // whole block idle: uniform exit before any barrier
+  const int kv_len = seq_lens[b];
+  const int ctx = kv_len - q_len;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = row0 + warp;
+  const bool active = row < rows;
+  const int i = active ? row / G : 0;
+  const int g = active ? row % G : 0;
+  const int pos = ctx + i;  // this row's position; it sees KV [0, pos]
+  const int last_row = min(rows, row0 + kRows) - 1;
+  const int kv_hi = ctx + last_row / G + 1;  // KV range any row of the block sees
+
+  extern __shared__ float smem[];
+  const int ld = D + 1;  // padded: lane t reads row t of Ks without bank conflicts
+  float* Ks = smem;                 // [kTile][D+1]
+  float* Vs = Ks + kTile * ld;      // [kTile][D+1]
+  float* Qs = Vs + kTile * ld;      // [kRows][D]
+  float* q_row = Qs + warp * D;
+
+  const size_t q_off = (size_t(q0 + i) * hq + size_t(h) * G + g) * D;
+  for (int d = lane; d < D; d += 32) q_row[d] = active ? to_f(query[q_off + d]) * scale : 0.f;
+
+  float acc[kMaxDPerLane];
+#pragma unroll
+  for (int k = 0; k < kMaxDPerLane; ++k) acc[k] = 0.f;
+  float m = -INFINITY, l = 0.f;
+  const int32_t* table = block_tables + size_t(b) * max_blocks;
+
+  for (int t0 = 0; t0 < kv_hi; t0 += kTile) {
+    const int n = min(kTile, kv_hi - t0);
+    __syncthreads();  // previous tile fully consumed (and q_row written)
+    for (int idx = threadIdx.x; idx < n * D; idx += blockDim.x) {
+      const int t = idx / D, d = idx - t * D;
+      const int tok = t0 + t;
+      const size_t blk = size_t(table[tok / bs]);
+      const size_t src = ((blk * bs + tok % bs) * hkv + h) * size_t(D) + d;
+      Ks[t * ld + d] = to_f(key_cache[src]);
+      Vs[t * ld + d] = to_f(value_cache[src]);
+    }
+    __syncthreads();
+    if (!active) continue;
+    float s = -INFINITY;
+    if (lane < n && t0 + lane <= pos) {
+      const float* kr = Ks + lane * ld;
+      float dot = 0.f;
+      for (int d = 0; d < D; ++d) dot = fmaf(q_row[d], kr[d], dot);
+      s = dot;
+    }
+    const float mx = warp_max(s);
+    if (mx == -INFINITY) continue;  // warp-uniform: nothing visible in this tile
+    const float m_new = fmaxf(m, mx);
+    const float corr = __expf(m - m_new);  // 0 on the first visible tile
+    const float p = s == -INFINITY ? 0.f : __expf(s - m_new);
+    l = l * corr + warp_sum(p);
+    m = m_new;
+#pragma unroll
+    for (int k = 0; k < kMaxDPerLane; ++k) acc[k] *= corr;
+    for (int t = 0; t < n; ++t) {
+      const float pt = __shfl_sync(0xffffffffu, p, t);
+      const float* vr = Vs + t * ld;
+#pragma unroll
+      for (int k = 0; k < kMaxDPerLane; ++k) {
+        const int d = lane + 32 * k;
+        if (d < D) acc[k] = fmaf(pt, vr[d], acc[k]);
+      }
+    }
+  }
+  if (!active) return;
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+  for (int k = 0; k < kMaxDPerLane; ++k) {
+    const int d = lane + 32 * k;
+    if (d < D) out[q_off + d] = from_f<T>(acc[k] * inv);
+  }
+}
+
+template <typename T>
+__global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                         T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                         const int64_t* __restrict__ slots, int64_t row) {
+  const int64_t t = blockIdx.x;
+  const int64_t s = slots[t];
+  if (s < 0) return;
+  for (int64_t e = threadIdx.x; e < row; e += blockDim.x) {
+    key_cache[s * row + e] = key[t * row + e];
+    value_cache[s * row + e] = value[t * row + e];
+  }
+}
+
+template <typename T>
+int launch_attention(void* out, const void* q, const void* kc, const void* vc, const int32_t* bt,
+                     const int32_t* cu, const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq,
+                     int64_t hkv, int64_t D, int64_t bs, int64_t max_q_len, float scale,
+                     cudaStream_t stream) {
+  if (B == 0 || max_q_len == 0) return 0;
+  if (D <= 0 || D > CBSERVE_CUDA_MAX_HEAD_DIM || hkv <= 0 || hq % hkv != 0 || B > 65535 ||
+      hkv > 65535)
+    return int(cudaErrorInvalidValue);
+  const int64_t G = hq / hkv;
+  const int64_t tiles = (max_q_len * G + kRows - 1) / kRows;
+  const size_t smem = (2 * size_t(kTile) * (D + 1) + size_t(kRows) * D) * sizeof(float);
+  cudaError_t err = cudaFuncSetAttribute(paged_attention_kernel<T>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return int(err);
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(hkv), static_cast<unsigned>(B));
+  paged_attention_kernel<T><<<grid, kRows * 32, smem, stream>>>(
+      static_cast<T*>(out), static_cast<const T*>(q), static_cast<const T*>(kc),
+      static_cast<const T*>(vc), bt, cu, sl, int(max_blocks), int(hq), int(hkv), int(D), int(bs),
+      scale);
+  return int(cudaGetLastError());
+}
+
+template <typename T>
+int launch_cache(const void* k, const void* v, void* kc, void* vc, const int64_t* slots, int64_t T_,
+                 int64_t row, cudaStream_t stream) {
+  if (T_ == 0 || row == 0) return 0;
+  const int threads = row >= 256 ? 256 : 128;
+  reshape_and_cache_kernel<T><<<unsigned(T_), threads, 0, stream>>>(
+      static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(kc), static_cast<T*>(vc),
+      slots, row);
+  return int(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" int cbserve_paged_attention_cuda(int dtype, void* out, const void* query,
+                                            const void* key_cache, const void* value_cache,
+                                            const int32_t* block_tables, const int32_t* cu_seqlens_q,
+                                            const int32_t* seq_lens, int64_t num_seqs,
+                                            int64_t max_blocks, int64_t hq, int64_t hkv,
+                                            int64_t head_dim, int64_t block_size, int64_t max_q_len,
+                                            float scale, void* stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case 0:
+      return launch_attention<float>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                     seq_lens, num_seqs, max_blocks, hq, hkv, head_dim, block_size,
+                                     max_q_len, scale, s);
+    case 1:
+      return launch_attention<__nv_bfloat16>(out, query, key_cache, value_cache, block_tables,
+                                             cu_seqlens_q, seq_lens, num_seqs, max_blocks, hq, hkv,
+                                             head_dim, block_size, max_q_len, scale, s);
+    case 2:
+      return launch_attention<__half>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                      seq_lens, num_seqs, max_blocks, hq, hkv, head_dim, block_size,
+                                      max_q_len, scale, s);
+    default:
+      return int(cudaErrorInvalidValue);
+  }
+}
+
+extern "C" int cbserve_reshape_and_cache_cuda(int dtype, const void* key, const void* value,
+                                              void* key_cache, void* value_cache,
+                                              const int64_t* slot_mapping, int64_t num_tokens,
+                                              int64_t row_elems, void* stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case 0:
+      return launch_cache<float>(key, value, key_cache, value_cache, slot_mapping, num_tokens, row_elems, s);
+    case 1:
+      return launch_cache<__nv_bfloat16>(key, value, key_cache, value_cache, slot_mapping, num_tokens,
+                                         row_elems, s);
+    case 2:
+      return launch_cache<__half>(key, value, key_cache, value_cache, slot_mapping, num_tokens, row_elems, s);
+    default:
+      return int(cudaErrorInvalidValue);
+  }
+}
+
+extern "C" const char* cbserve_cuda_error_string(int err) {
+  return cudaGetErrorString(static_cast<cudaError_t>(err));
+}

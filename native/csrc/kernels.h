@@ -1,0 +1,79 @@
+// Plain C++ interface between the torch-facing dispatcher (ops.cpp) and the
+// per-ISA CPU kernels (cpu_kernels_*.cpp). No torch or std headers here on
+// purpose: the ISA translation units are compiled for AVX-512 / AVX2 and must
+// not instantiate any shared inline (COMDAT) code that the linker could pick
+// for the rest of the library.
+#pragma once
+#include <stdint.h>
+
+namespace cbserve_native {
+
+enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Vector width used for padding (the widest ISA: 16 fp32 lanes).
+constexpr int kPad = 16;
+
+struct AttnParams {
+  void* out;                  // [T, Hq, D]
+  const void* query;          // [T, Hq, D]
+  const void* key_cache;      // [num_blocks, block_size, Hkv, D]
+  const void* value_cache;    // [num_blocks, block_size, Hkv, D]
+  const int32_t* block_tables;  // [B, max_blocks]
+  const int32_t* cu_seqlens;    // [B + 1]
+  const int32_t* seq_lens;      // [B]
+  int64_t num_seqs;
+  int64_t max_blocks;
+  int64_t hq;
+  int64_t hkv;
+  int64_t head_dim;
+  int64_t block_size;
+  float scale;
+  int32_t dtype;  // DType
+};
+
+// One unit of work: all query heads of one KV head, for query tokens
+// [q_begin, q_end) (relative to the sequence's first query token).
+struct AttnItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t q_begin;
+  int32_t q_end;
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// KV tokens per online-softmax step: whole cache blocks, at least 64 tokens
+// for small items (decode) and 128 for big ones (prefill chunks), so the
+// per-row softmax bookkeeping is amortised over several blocks.
+inline int64_t kv_tile(int64_t block_size, int64_t rows) {
+  const int64_t min_tokens = rows < 16 ? 64 : 128;
+  return block_size >= min_tokens ? block_size
+                                  : block_size * ((min_tokens + block_size - 1) / block_size);
+}
+
+// Floats of scratch memory an item with at most `max_rows` (tokens x group)
+// rows needs; the caller allocates it once per thread.
+inline int64_t attn_scratch_floats(int64_t max_rows, int64_t head_dim, int64_t block_size) {
+  const int64_t dp = round_up(head_dim, kPad), np = round_up(kv_tile(block_size, 1 << 30), kPad);
+  return 2 * max_rows * dp + 3 * max_rows + max_rows * np + 2 * dp * np + 4 * kPad;
+}
+
+struct CacheParams {
+  const void* key;    // [T, Hkv, D]
+  const void* value;  // [T, Hkv, D]
+  void* key_cache;    // [num_blocks, block_size, Hkv, D]
+  void* value_cache;
+  const int64_t* slot_mapping;  // [T]
+  int64_t row_bytes;            // Hkv * D * element size
+};
+
+using AttnItemFn = void (*)(const AttnParams&, const AttnItem&, float* scratch);
+
+void attn_item_generic(const AttnParams&, const AttnItem&, float* scratch);
+void attn_item_avx2(const AttnParams&, const AttnItem&, float* scratch);
+void attn_item_avx512(const AttnParams&, const AttnItem&, float* scratch);
+// Whether the ISA translation unit was compiled in (x86-64 with GCC/Clang).
+bool have_avx2_kernels();
+bool have_avx512_kernels();
+
+}  // namespace cbserve_native

@@ -1,0 +1,66 @@
+"""Builds the native/ kernels as `native._C` (metadata lives in pyproject.toml).
+
+torch.utils.cpp_extension is used (pybind11 underneath) because the ops take
+and return torch tensors: it supplies the matching torch/ATen include paths,
+libraries, ABI flags and at::parallel_for, and builds the CUDA twins with the
+same machinery when a CUDA toolkit and a CUDA build of torch are present.
+Nothing is downloaded; the build uses ninja when it is installed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+except ImportError as exc:  # pragma: no cover - torch is installed first by `make install`
+    raise SystemExit(
+        "building cbserve's native/ kernels needs torch: install torch==2.13.0 first and build "
+        "with `pip install --no-build-isolation -e .`"
+    ) from exc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join("native", "csrc")
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("CBSERVE_NATIVE_NO_CUDA"):
+        return False
+    if not torch.version.cuda:
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return bool(CUDA_HOME) or shutil.which("nvcc") is not None
+
+
+def _ext_modules():
+    cpp = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
+    cxx_flags = ["-O3", "-std=c++17", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+    # No -march=native: the AVX2/AVX-512 code is compiled with function-level
+    # target attributes and chosen at run time (see native/csrc/ops.cpp).
+    if _want_cuda():
+        cu = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+        archs = os.environ.get("CBSERVE_CUDA_ARCHS", "80;90").split(";")
+        gencode = []
+        for a in archs:
+            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        return [
+            CUDAExtension(
+                "native._C",
+                cpp + cu,
+                define_macros=[("CBSERVE_WITH_CUDA", "1")],
+                extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", *gencode]},
+            )
+        ]
+    return [CppExtension("native._C", cpp, extra_compile_args={"cxx": cxx_flags})]
+
+
+# BuildExtension compiles with ninja (parallel, incremental) when the `ninja`
+# package is installed, as `make install` does; it falls back to plain
+# setuptools otherwise.
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": BuildExtension})

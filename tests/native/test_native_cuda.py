@@ -1,0 +1,103 @@
+"""CUDA twins of the native ops.
+
+`test_cuda_sources_compile` needs only nvcc (it runs `make native-cuda-check`:
+sm_80 + sm_90). The `cuda`-marked tests run the kernels against the torch
+reference and need a GPU plus an extension built with CUDA; they skip
+otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from conftest import ROOT, make_batch, reference, tolerance
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import native
+
+needs_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and native.has_cuda()),
+    reason="needs a CUDA GPU and native._C built with CUDA",
+)
+
+
+def _nvcc():
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+    )
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not installed")
+@pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+def test_cuda_sources_compile():
+    r = subprocess.run(["make", "-s", "native-cuda-check"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.getsize(os.path.join(ROOT, "build", "native-cuda", "cuda_kernels.o")) > 0
+
+
+@st.composite
+def cases(draw):
+    block_size = draw(st.sampled_from([8, 16, 32, 128]))
+    hkv = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 3, 4, 8]))
+    nseq = draw(st.integers(1, 4))
+    q_lens = draw(st.lists(st.sampled_from([0, 1, 2, block_size + 3]), min_size=nseq, max_size=nseq))
+    ctx_lens = draw(st.lists(st.integers(0, 3 * block_size), min_size=nseq, max_size=nseq))
+    return dict(
+        q_lens=q_lens, ctx_lens=ctx_lens, hq=hkv * group, hkv=hkv,
+        d=draw(st.sampled_from([64, 80, 96, 128, 256])), block_size=block_size,
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.mark.cuda
+@needs_gpu
+@settings(max_examples=40, deadline=None)
+@given(case=cases())
+def test_cuda_attention_matches_reference(case):
+    dtype = case.pop("dtype")
+    batch = make_batch(case.pop("q_lens"), case.pop("ctx_lens"), dtype=dtype, device="cuda", **case)
+    scale = case["d"] ** -0.5
+    out = torch.full_like(batch["query"], float("nan"))
+    native.paged_attention(out, scale=scale, **batch)
+    torch.cuda.synchronize()
+    want = reference(batch, scale)
+    if out.numel():
+        assert (out.cpu().float() - want).abs().max().item() <= tolerance(dtype)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_reshape_and_cache_matches_reference(dtype):
+    from executor.torch_ops import reshape_and_cache as ref
+
+    kc = torch.randn(6, 16, 2, 64).to(dtype)
+    vc = torch.randn(6, 16, 2, 64).to(dtype)
+    key = torch.randn(50, 2, 64).to(dtype)
+    value = torch.randn(50, 2, 64).to(dtype)
+    slots = torch.randperm(96)[:50]
+    slots[::7] = -1
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref(key, value, kc_ref, vc_ref, slots)
+    kc_d, vc_d = kc.cuda(), vc.cuda()
+    native.reshape_and_cache(key.cuda(), value.cuda(), kc_d, vc_d, slots.cuda())
+    assert torch.equal(kc_d.cpu(), kc_ref) and torch.equal(vc_d.cpu(), vc_ref)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_validation():
+    batch = make_batch([2], [5], hq=2, hkv=1, d=64, block_size=8, device="cuda")
+    out = torch.empty_like(batch["query"])
+    batch["block_tables"][0, 0] = 10**6
+    with pytest.raises(IndexError, match="out of range"):
+        native.paged_attention(out, scale=0.1, **batch)
+    with pytest.raises(ValueError, match="same device"):
+        native.paged_attention(out.cpu(), scale=0.1, **batch)
