@@ -1,0 +1,75 @@
+"""The sampler on real tensors: greedy, temperature, top-k, top-p, repetition
+penalty, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from executor.sampler import SamplingParams, sample
+
+
+def _logits(n=4, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=g) * 3
+
+
+def test_greedy_is_the_first_maximum_in_any_dtype():
+    x = _logits()
+    x[1, 7] = x[1, 9] = x[1].max() + 1  # a tie: the first index wins
+    for dtype in (torch.float32, torch.bfloat16):
+        toks, lps = sample(x.to(dtype), [SamplingParams()] * 4, [None] * 4, [0] * 4)
+        assert toks == x.to(dtype).float().argmax(-1).tolist()
+        assert toks[1] == 7 and lps is None
+
+
+def test_same_seed_same_tokens_independent_of_batch_company():
+    x = _logits(n=3)
+    p = SamplingParams(temperature=1.0, seed=42)
+    alone = [sample(x[:1], [p], [None], [i])[0][0] for i in range(20)]
+    with_others = [sample(x, [p, SamplingParams(temperature=0.7, seed=1), SamplingParams()],
+                          [None] * 3, [i, 0, 0])[0][0] for i in range(20)]
+    assert alone == with_others
+    other_seed = [sample(x[:1], [SamplingParams(temperature=1.0, seed=43)], [None], [i])[0][0] for i in range(20)]
+    assert alone != other_seed
+
+
+def test_top_k_restricts_to_the_k_most_likely():
+    x = _logits(n=1, v=100)
+    top3 = set(torch.topk(x[0], 3).indices.tolist())
+    got = {sample(x, [SamplingParams(temperature=5.0, top_k=3, seed=s)], [None], [0])[0][0] for s in range(200)}
+    assert got <= top3 and len(got) >= 2
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    got = {sample(x, [SamplingParams(temperature=1.0, top_p=0.7, seed=s)], [None], [0])[0][0] for s in range(300)}
+    assert got == {0, 1}  # 0.5 alone < 0.7; 0.5 + 0.3 reaches it
+
+
+def test_temperature_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    x = torch.log(probs).unsqueeze(0)
+    counts = torch.zeros(3)
+    for s in range(3000):
+        counts[sample(x, [SamplingParams(temperature=1.0, seed=s)], [None], [0])[0][0]] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.04)
+
+
+def test_repetition_penalty_demotes_seen_tokens():
+    x = torch.tensor([[2.0, 1.9, -1.0, -1.1]])
+    assert sample(x, [SamplingParams()], [None], [0])[0] == [0]
+    toks, _ = sample(x, [SamplingParams(repetition_penalty=1.5)], [[0]], [0])
+    assert toks == [1]  # 2.0 / 1.5 < 1.9
+    toks, _ = sample(torch.tensor([[-1.0, -1.2]]), [SamplingParams(repetition_penalty=2.0)], [[0]], [0])
+    assert toks == [1]  # negative logits are multiplied: -2.0 < -1.2
+
+
+def test_logprobs_are_the_raw_model_log_probabilities():
+    x = _logits(n=2)
+    toks, lps = sample(x, [SamplingParams(logprobs=True), SamplingParams(temperature=0.8, seed=3, logprobs=True)],
+                       [None, None], [0, 0])
+    ref = torch.log_softmax(x, -1)
+    for row, (t, lp) in enumerate(zip(toks, lps)):
+        assert math.isclose(lp, ref[row, t].item(), rel_tol=1e-5)
