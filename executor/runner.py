@@ -58,9 +58,11 @@ class ModelRunner:
         self.backend = attention_backend
         self.ops = attention.backend_ops(attention_backend)
         model.set_attn_implementation(attention.register())
-        if prepack:
+        if prepack:  # bf16 on AVX-512 bf16 CPUs; a no-op elsewhere
+            from executor.fused_modules import fuse_llama_blocks
             from executor.packed_linear import prepack_linears
 
+            fuse_llama_blocks(model)
             prepack_linears(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,

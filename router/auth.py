@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from typing import Callable
 
 import grpc
 
@@ -27,8 +28,9 @@ def load_token(token_file: str, token_env: str) -> str | None:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, on_denied: Callable[[], None] | None = None) -> None:
         self._expected = f"Bearer {token}".encode("utf-8")
+        self._on_denied = on_denied
 
     def _authorized(self, metadata) -> bool:
         given = b""
@@ -44,6 +46,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._authorized(handler_call_details.invocation_metadata):
             return handler
+        if self._on_denied is not None:
+            self._on_denied()
         return _denying(handler)
 
 

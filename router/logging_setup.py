@@ -19,18 +19,26 @@ def configure_logging(level: str = "info", fmt: str = "auto", process: str = "ro
         event_dict.setdefault("process", process)
         return event_dict
 
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        add_process,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            add_process,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
+    # Records of stdlib loggers (grpc, asyncio, transformers) go through the
+    # same processors and renderer, so a JSON log stays one JSON object a line.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(lvl, logging.WARNING))

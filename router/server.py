@@ -30,12 +30,17 @@ class GenerationService(gpb_grpc.GenerationServicer):
         self.cfg = cfg
 
     # -- admission ----------------------------------------------------------------
+    async def _refuse(self, context, code: grpc.StatusCode, message: str):
+        """Ends the RPC before admission; counted by status code."""
+        self.engine.metrics.request_errors.labels(status=code.name).inc()
+        await context.abort(code, message)
+
     async def _admit(self, request: gpb.GenerateRequest, context):
         eng = self.engine
         if not eng.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining")
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is draining")
         if not eng.ready.is_set() or eng.facts is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is not available")
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the executor is not available")
         facts = eng.facts
         sched = eng.scheduler
         lim = self.cfg.limits
@@ -46,14 +51,14 @@ class GenerationService(gpb_grpc.GenerationServicer):
             req = build_request(request, eng.tokenizer, lim, facts.vocab_size, facts.max_context,
                                 usable_blocks * facts.block_size, deadline)
         except RequestError as exc:
-            await context.abort(exc.code, exc.message)
+            await self._refuse(context, exc.code, exc.message)
         if req.request_id in eng.handles:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight")
+            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight")
         if len(sched.waiting) >= lim.max_queued_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the queue is full ({lim.max_queued_requests} requests waiting)")
         if sched.num_queued_tokens() + len(req.prompt_token_ids) > lim.max_queued_tokens:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the queue is full ({lim.max_queued_tokens} prompt tokens waiting)")
         return eng.submit(req)
 
@@ -76,8 +81,9 @@ class GenerationService(gpb_grpc.GenerationServicer):
     async def Generate(self, request, context):
         handle = await self._admit(request, context)
         req = handle.req
-        log = _LOGGER.bind(request_id=req.request_id)
-        log.debug("generate started", prompt_tokens=len(req.prompt_token_ids))
+        # Every log line of this RPC's task carries the request id.
+        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        _LOGGER.debug("generate started", prompt_tokens=len(req.prompt_token_ids))
         try:
             while True:
                 d = await handle.next()
@@ -95,6 +101,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
     async def Complete(self, request, context):
         handle = await self._admit(request, context)
         req = handle.req
+        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        _LOGGER.debug("complete started", prompt_tokens=len(req.prompt_token_ids))
         acc = Delta()
         try:
             while True:
@@ -117,7 +125,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
         try:
             ids = prompt_ids(request, eng.tokenizer, self.cfg.limits, vocab)
         except RequestError as exc:
-            await context.abort(exc.code, exc.message)
+            await self._refuse(context, exc.code, exc.message)
         return gpb.TokenizeResponse(token_ids=ids, tokens=[eng.tokenizer.id_to_token(i) for i in ids])
 
     async def ModelInfo(self, request, context):
@@ -154,7 +162,8 @@ class PublicServer:
         self.cfg = cfg
         s = cfg.server
         token = load_token(s.auth_token_file, s.auth_token_env)
-        interceptors = [BearerTokenInterceptor(token)] if token else []
+        denied = engine.metrics.request_errors.labels(status=grpc.StatusCode.UNAUTHENTICATED.name)
+        interceptors = [BearerTokenInterceptor(token, on_denied=denied.inc)] if token else []
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[

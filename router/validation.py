@@ -15,6 +15,11 @@ from router.request import Request, Sampling, Stopping
 from router.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
+# Below this a temperature means greedy (logits / T would overflow float32).
+MIN_TEMPERATURE = 1e-5
+# Outside this a penalty drives logits to inf/0 and the sampler to NaN.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 class RequestError(Exception):
@@ -70,11 +75,14 @@ def _sampling(s: gpb.SamplingParams) -> Sampling:
         raise _invalid(f"sampling.top_p: must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise _invalid(f"sampling.top_k: must be >= 0, got {s.top_k}")
-    if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0:
-        raise _invalid(f"sampling.repetition_penalty: must be > 0, got {s.repetition_penalty}")
+    if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0 or (
+            s.repetition_penalty and not MIN_REPETITION_PENALTY <= s.repetition_penalty <= MAX_REPETITION_PENALTY):
+        raise _invalid(f"sampling.repetition_penalty: must be in [{MIN_REPETITION_PENALTY}, "
+                       f"{MAX_REPETITION_PENALTY}], got {s.repetition_penalty}")
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
     return Sampling(
-        temperature=s.temperature,
+        # A temperature this small is greedy; dividing logits by it overflows to inf/NaN.
+        temperature=s.temperature if s.temperature >= MIN_TEMPERATURE else 0.0,
         top_p=s.top_p or 1.0,
         top_k=s.top_k,
         seed=seed,

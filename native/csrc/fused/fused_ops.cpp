@@ -1,0 +1,229 @@
+// Fused element-wise ops of the Llama block for the CPU executor:
+// RMSNorm and SiLU-and-mul. Each replaces several ATen calls (and their
+// fp32 temporaries) by one pass over the row, with the same rounding points
+// as the Hugging Face modules they stand in for.
+//
+// AVX-512 (+bf16) code is compiled with function-level target attributes and
+// chosen at run time; a portable loop serves every other CPU and dtype.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CB_X86 1
+#else
+#define CB_X86 0
+#endif
+
+namespace {
+
+bool has_avx512_bf16() {
+#if CB_X86
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512bf16");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+void check_row_major(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.dim() >= 1, name, " must have at least one dimension");
+}
+
+// ---- portable reference loops (any float dtype) -----------------------------
+template <typename T>
+void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * h;
+      T* orow = out + r * h;
+      float ss = 0.f;
+      for (int64_t i = 0; i < h; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      for (int64_t i = 0; i < h; ++i) {
+        T y = static_cast<T>(static_cast<float>(xr[i]) * inv);  // hidden.to(input_dtype)
+        orow[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(y));
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(T* out, const T* gu, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gf = static_cast<float>(g[i]);
+        T s = static_cast<T>(gf / (1.f + std::exp(-gf)));  // act_fn(gate) in the model dtype
+        o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+#if CB_X86
+// ---- AVX-512 bf16 ------------------------------------------------------------
+#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+CB_AVX512 inline __m512 load_bf16(const c10::BFloat16* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+CB_AVX512 inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 m) {
+  __m256i v = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+CB_AVX512 inline __m512 round_bf16(__m512 v) {  // fp32 -> bf16 (RNE) -> fp32
+  __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+CB_AVX512 inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  _mm256_mask_storeu_epi16(p, m, b);
+}
+
+CB_AVX512 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
+                                  int64_t r0, int64_t r1, int64_t h, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const c10::BFloat16* xr = x + r * h;
+    c10::BFloat16* orow = out + r * h;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= h; i += 16) {
+      __m512 v = load_bf16(xr + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    if (i < h) {
+      __mmask16 m = static_cast<__mmask16>((1u << (h - i)) - 1);
+      __m512 v = load_bf16_masked(xr + i, m);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (i = 0; i < h; i += 16) {
+      const int64_t n = h - i < 16 ? h - i : 16;
+      __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+      __m512 y = round_bf16(_mm512_mul_ps(load_bf16_masked(xr + i, m), vinv));
+      store_bf16(orow + i, _mm512_mul_ps(load_bf16_masked(w + i, m), y), m);
+    }
+  }
+}
+
+void rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
+                          int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { rms_norm_bf16_rows(out, x, w, r0, r1, h, eps); });
+}
+
+CB_AVX512 inline __m512 exp_ps(__m512 x) {
+  // exp(x) = 2^(x*log2e): integer part via scalef, fraction by a degree-6 polynomial.
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+CB_AVX512 void silu_mul_bf16_rows(c10::BFloat16* out, const c10::BFloat16* gu, int64_t r0, int64_t r1,
+                                  int64_t inter) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const c10::BFloat16* g = gu + r * 2 * inter;
+    const c10::BFloat16* u = g + inter;
+    c10::BFloat16* o = out + r * inter;
+    for (int64_t i = 0; i < inter; i += 16) {
+      const int64_t n = inter - i < 16 ? inter - i : 16;
+      __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+      __m512 gv = load_bf16_masked(g + i, m);
+      __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      store_bf16(o + i, _mm512_mul_ps(round_bf16(s), load_bf16_masked(u + i, m)), m);
+    }
+  }
+}
+
+void silu_mul_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* gu, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { silu_mul_bf16_rows(out, gu, r0, r1, inter); });
+}
+#endif  // CB_X86
+
+}  // namespace
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), rows over the last dim.
+//   x      [..., H]  fp32 | bf16 | fp16, contiguous
+//   weight [H]       same dtype
+// returns  [..., H]  new tensor
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_row_major(x, "x");
+  check_row_major(weight, "weight");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [H] with H = x.size(-1)");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+  auto out = torch::empty_like(x);
+  const int64_t h = x.size(-1);
+  const int64_t rows = h ? x.numel() / h : 0;
+  if (rows == 0) return out;
+#if CB_X86
+  if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    rms_norm_bf16_avx512(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                         weight.data_ptr<c10::BFloat16>(), rows, h, static_cast<float>(eps));
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                            rows, h, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// out = silu(gate_up[..., :I]) * gate_up[..., I:]
+//   gate_up [..., 2I] contiguous (gate then up, as a fused projection gives)
+// returns   [..., I]  new tensor
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  check_row_major(gate_up, "gate_up");
+  const int64_t two_i = gate_up.size(-1);
+  TORCH_CHECK(two_i % 2 == 0, "gate_up's last dimension must be even (gate then up)");
+  const int64_t inter = two_i / 2;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  auto out = torch::empty(sizes, gate_up.options());
+  const int64_t rows = inter ? gate_up.numel() / two_i : 0;
+  if (rows == 0) return out;
+#if CB_X86
+  if (gate_up.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    silu_mul_bf16_avx512(out.data_ptr<c10::BFloat16>(), gate_up.data_ptr<c10::BFloat16>(), rows, inter);
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), rows, inter);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "cbserve fused element-wise ops (CPU)";
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        "RMSNorm over the last dim with Hugging Face Llama rounding; returns a new tensor.");
+  m.def("silu_and_mul", &silu_and_mul, py::arg("gate_up"),
+        "silu(gate) * up for gate_up = [gate | up] on the last dim; returns a new tensor.");
+}
