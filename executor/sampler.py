@@ -77,8 +77,13 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], output_indi
     x = _top_k_top_p(logits / temps, [p.top_k for p in params], [p.top_p for p in params])
     cdf = x.softmax(-1).cumsum(-1)
     u = torch.tensor([[uniform_for(p.seed, i)] for p, i in zip(params, output_indices)], dtype=cdf.dtype)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    return tokens.clamp_(max=logits.shape[-1] - 1).squeeze(1).tolist()
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.shape[-1] - 1).squeeze(1)
+    # A row whose distribution is not finite (overflowing logits, extreme
+    # parameters) falls back to greedy instead of failing the whole batch.
+    bad = ~torch.isfinite(cdf[:, -1])
+    if bool(bad.any()):
+        tokens = torch.where(bad, logits.max(dim=-1).indices, tokens)
+    return tokens.tolist()
 
 
 def sample(

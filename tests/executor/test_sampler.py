@@ -73,3 +73,12 @@ def test_logprobs_are_the_raw_model_log_probabilities():
     ref = torch.log_softmax(x, -1)
     for row, (t, lp) in enumerate(zip(toks, lps)):
         assert math.isclose(lp, ref[row, t].item(), rel_tol=1e-5)
+
+
+def test_non_finite_distribution_falls_back_to_greedy_for_that_row_only():
+    x = _logits(n=2)
+    x[0, 5] = float("inf")
+    toks, _ = sample(x, [SamplingParams(temperature=1e-30, seed=1), SamplingParams(temperature=1.0, seed=2)],
+                     [None, None], [0, 0])
+    assert toks[0] == 5
+    assert toks[1] == sample(x[1:], [SamplingParams(temperature=1.0, seed=2)], [None], [0])[0][0]
