@@ -84,6 +84,7 @@ class Engine:
         self._step_id = 0
         self._ready_callbacks: list[Callable[[bool], None]] = []
         self._seen_preemptions = 0
+        self._seen_swaps = 0
         self._seen_queries = 0
         self._seen_hits = 0
 
@@ -126,7 +127,7 @@ class Engine:
         eos = facts.eos_token_ids or self.tokenizer.eos_token_ids
         policy = make_policy(self.cfg.scheduler)
         self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context)
-        self._seen_preemptions = self._seen_queries = self._seen_hits = 0
+        self._seen_preemptions = self._seen_swaps = self._seen_queries = self._seen_hits = 0
         if self.facts is not None:
             self.metrics.executor_restarts.inc()
         self.facts = facts
@@ -339,6 +340,9 @@ class Engine:
         if sched.num_preemptions > self._seen_preemptions:
             m.num_preemptions.inc(sched.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = sched.num_preemptions
+        if sched.num_swaps > self._seen_swaps:
+            m.num_swaps.inc(sched.num_swaps - self._seen_swaps)
+            self._seen_swaps = sched.num_swaps
         b = sched.blocks
         if b.prefix_queries > self._seen_queries:
             m.prefix_cache_queries.inc(b.prefix_queries - self._seen_queries)

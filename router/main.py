@@ -40,10 +40,11 @@ async def run_router(
     def _reload() -> None:
         try:
             new = load_config(config_path)
+            # make_policy may still refuse (a 'module:Class' that does not load):
+            # set_scheduler_config builds the policy before changing anything.
+            engine.set_scheduler_config(new)
         except ConfigError as exc:
             _LOGGER.error("config reload refused; keeping the old one", error=str(exc))
-            return
-        engine.set_scheduler_config(new)
 
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)

@@ -80,6 +80,7 @@ class Scheduler:
         self.by_seq: dict[int, Request] = {}
         self._to_free: list[int] = []  # executor state to drop with the next plan
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions that swapped out (not recomputed)
 
     # -- intake -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -133,6 +134,7 @@ class Scheduler:
         victim.num_preemptions += 1
         if self.cfg.preemption_mode == "swap" and self.blocks.can_swap_out(victim):
             out.swap_out.extend(self.blocks.swap_out(victim))
+            self.num_swaps += 1
             victim.status = Status.SWAPPED
             victim.pending_block_ids = []
             self.swapped.append(victim)

@@ -1,0 +1,304 @@
+"""Scheduling end to end (issue #4): preemption (recompute, swap, swap falling
+back to recompute) keeps greedy outputs exact; SIGHUP reload of the policy;
+priority, SJF and static-vs-fcfs orderings. Tiny model, fp32.
+
+Servers are module-scoped (a start costs ~10 s on a 2-core machine); tests
+switch the scheduler section with SIGHUP, which is itself under test.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import pytest
+import yaml
+
+from cbserve.v1 import generation_pb2 as gpb
+from tests.conftest import start_server
+from tests.integration.helpers import gen_request, stub, wait_idle
+
+BLOCK_BYTES_TINY_FP32 = 2 * 2 * 16 * 2 * 64 * 4  # K+V x layers x block x kv heads x head dim x fp32
+
+
+# -- helpers ----------------------------------------------------------------------
+def _stream(server, req, out: dict, key) -> None:
+    rec = {"start": time.monotonic(), "first": None, "ids": [], "finish": None, "usage": None}
+    try:
+        with server.channel() as ch:
+            for m in stub(ch).Generate(req, timeout=120):
+                if m.token_ids and rec["first"] is None:
+                    rec["first"] = time.monotonic()
+                rec["ids"].extend(m.token_ids)
+                if m.finish_reason:
+                    rec["finish"], rec["usage"] = m.finish_reason, m.usage
+    except Exception as exc:  # reported by the asserting test
+        rec["error"] = repr(exc)
+    rec["end"] = time.monotonic()
+    out[key] = rec
+
+
+def start_streams(server, reqs: dict, out: dict | None = None) -> tuple[dict, list[threading.Thread]]:
+    out = {} if out is None else out
+    threads = [threading.Thread(target=_stream, args=(server, r, out, k), daemon=True) for k, r in reqs.items()]
+    for t in threads:
+        t.start()
+    return out, threads
+
+
+def run_concurrent(server, reqs: dict) -> dict:
+    out, threads = start_streams(server, reqs)
+    for t in threads:
+        t.join(180)
+    assert len(out) == len(reqs)
+    for k, rec in out.items():
+        assert "error" not in rec, f"{k}: {rec['error']}"
+    return out
+
+
+def reload_count(server, what: str = "scheduler config reloaded") -> int:
+    return server.log().count(what)
+
+
+def reconfigure(server, scheduler: dict | None = None, raw: str | None = None,
+                expect: str = "scheduler config reloaded") -> None:
+    """Rewrites the server's config file (scheduler section replaced, or raw
+    text) and sends SIGHUP; waits for the router to log the outcome."""
+    before = reload_count(server, expect)
+    if raw is None:
+        with open(server.config_path, encoding="utf-8") as fh:
+            cfg = yaml.safe_load(fh)
+        cfg["scheduler"] = scheduler or {}
+        raw = yaml.safe_dump(cfg)
+    with open(server.config_path, "w", encoding="utf-8") as fh:
+        fh.write(raw)
+    server.proc.send_signal(signal.SIGHUP)
+    end = time.monotonic() + 10
+    while reload_count(server, expect) <= before:
+        assert time.monotonic() < end, f"no {expect!r} in the log after SIGHUP"
+        time.sleep(0.05)
+
+
+def policy_of(server) -> str:
+    with server.channel() as ch:
+        return stub(ch).ModelInfo(gpb.ModelInfoRequest()).policy
+
+
+def wait_metric(server, pred, timeout: float = 20.0) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if pred(m):
+            return m
+        assert time.monotonic() < end, "metric condition not reached"
+        time.sleep(0.02)
+
+
+def pressure_requests(n: int = 8, prompt_len: int = 20, max_new: int = 60) -> dict:
+    rng = random.Random(4)
+    return {f"p{i}": gen_request([rng.randrange(3, 259) for _ in range(prompt_len + i % 3)], max_new=max_new)
+            for i in range(n)}
+
+
+def outputs(res: dict) -> dict:
+    return {k: r["ids"] for k, r in res.items()}
+
+
+# -- servers ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def big():
+    """Large KV pool: the reference outputs, and the policy tests."""
+    server = start_server("tiny")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_pool():
+    """12 blocks of 16 tokens (192 tokens) and room to swap all of them."""
+    server = start_server("tiny", config={"cache": {"num_blocks": 12, "block_size": 16,
+                                                    "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32}})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(big):
+    reconfigure(big, {"policy": "fcfs"})
+    res = run_concurrent(big, pressure_requests())
+    assert all(r["finish"] == gpb.LENGTH and len(r["ids"]) == 60 for r in res.values())
+    wait_idle(big)
+    return outputs(res)
+
+
+# -- preemption keeps outputs exact -----------------------------------------------------
+def _pressure_run(server, reference) -> tuple[float, float]:
+    m0 = server.metrics()
+    res = run_concurrent(server, pressure_requests())
+    for k, r in res.items():
+        assert r["finish"] == gpb.LENGTH and r["usage"].completion_tokens == 60, k
+    assert outputs(res) == reference
+    m1 = wait_idle(server)
+    assert m1["cbserve_num_requests_swapped"] == 0
+    return (m1["cbserve_num_preemptions_total"] - m0["cbserve_num_preemptions_total"],
+            m1["cbserve_num_swaps_total"] - m0["cbserve_num_swaps_total"])
+
+
+def test_recompute_preemption_is_exact(tiny_pool, reference):
+    reconfigure(tiny_pool, {"policy": "fcfs", "preemption_mode": "recompute"})
+    preemptions, swaps = _pressure_run(tiny_pool, reference)
+    assert preemptions > 0, "the tiny pool must force preemption"
+    assert swaps == 0
+
+
+def test_swap_preemption_is_exact(tiny_pool, reference):
+    reconfigure(tiny_pool, {"policy": "fcfs", "preemption_mode": "swap"})
+    preemptions, swaps = _pressure_run(tiny_pool, reference)
+    assert preemptions > 0 and swaps > 0
+
+
+def test_swap_with_small_host_pool_falls_back_to_recompute(reference):
+    server = start_server("tiny", config={
+        "cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 3 * BLOCK_BYTES_TINY_FP32},
+        "scheduler": {"preemption_mode": "swap"}})
+    try:
+        preemptions, swaps = _pressure_run(server, reference)
+    finally:
+        server.stop()
+    assert preemptions > swaps, "some victims did not fit the 3 host blocks: recomputed"
+
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", ["priority", "sjf", "static", "dynamic"])
+def test_every_policy_under_memory_pressure_is_exact(tiny_pool, reference, policy, mode):
+    reconfigure(tiny_pool, {"policy": policy, "preemption_mode": mode, "static_batch_size": 5,
+                            "dynamic_max_wait_ms": 5.0})
+    reqs = pressure_requests()
+    for i, r in enumerate(reqs.values()):
+        r.priority = i % 3
+        r.expected_output_tokens = 10 + 13 * (i % 4)
+    m0 = tiny_pool.metrics()
+    res = run_concurrent(tiny_pool, reqs)
+    assert all(r["finish"] == gpb.LENGTH for r in res.values())
+    assert outputs(res) == reference
+    m1 = wait_idle(tiny_pool)
+    assert m1["cbserve_num_requests_swapped"] == 0
+    if policy != "static" and policy != "dynamic":
+        assert m1["cbserve_num_preemptions_total"] > m0["cbserve_num_preemptions_total"]
+
+
+def test_cancel_under_pressure_releases_everything(tiny_pool, reference):
+    """Clients that go away while their requests run, wait or sit swapped out
+    leave no block behind, and the next burst is still exact."""
+    reconfigure(tiny_pool, {"policy": "fcfs", "preemption_mode": "swap"})
+    with tiny_pool.channel() as ch:
+        calls = [stub(ch).Generate(r) for r in pressure_requests(max_new=150).values()]
+        wait_metric(tiny_pool, lambda m: m["cbserve_num_requests_swapped"] > 0
+                    or m["cbserve_num_preemptions_total"] > 0 and m["cbserve_num_requests_waiting"] > 0)
+        for c in calls[::2]:
+            c.cancel()
+        time.sleep(0.3)
+        for c in calls[1::2]:
+            c.cancel()
+    m = wait_idle(tiny_pool)
+    assert m["cbserve_num_requests_swapped"] == 0
+    reqs = pressure_requests()
+    assert outputs(run_concurrent(tiny_pool, reqs)) == reference
+    wait_idle(tiny_pool)
+
+# -- SIGHUP reload ---------------------------------------------------------------------
+def test_sighup_switches_policy_mid_run_without_losing_requests(big):
+    reconfigure(big, {"policy": "fcfs", "max_num_seqs": 4})
+    assert policy_of(big) == "fcfs"
+    rng = random.Random(7)
+    reqs = {f"r{i}": gen_request([rng.randrange(3, 259) for _ in range(12)], max_new=40 + i,
+                                 priority=i % 3) for i in range(16)}
+    out, threads = start_streams(big, reqs)
+    wait_metric(big, lambda m: m["cbserve_generation_tokens_total"] > 0 and m["cbserve_num_requests_waiting"] > 0)
+    reconfigure(big, {"policy": "priority", "max_num_seqs": 4})
+    for t in threads:
+        t.join(120)
+    for i in range(16):
+        r = out[f"r{i}"]
+        assert "error" not in r, r.get("error")
+        assert r["finish"] == gpb.LENGTH and len(r["ids"]) == 40 + i == r["usage"].completion_tokens
+    assert policy_of(big) == "priority"
+    wait_idle(big)
+
+
+def test_sighup_with_invalid_config_is_refused(big):
+    reconfigure(big, {"policy": "priority"})
+    refused = "config reload refused"
+    reconfigure(big, {"policy": "no-such-policy"}, expect=refused)
+    assert policy_of(big) == "priority"
+    reconfigure(big, {"policy": "priority", "max_num_seqs": -1}, expect=refused)
+    reconfigure(big, {"policy": "no_such_module_xyz:Policy"}, expect=refused)  # validates, cannot load
+    with open(big.config_path, encoding="utf-8") as fh:
+        good = fh.read()
+    reconfigure(big, raw="scheduler: [unclosed\n", expect=refused)
+    assert policy_of(big) == "priority"
+    with open(big.config_path, "w", encoding="utf-8") as fh:
+        fh.write(good)
+    assert big.proc.poll() is None
+    with big.channel() as ch:
+        r = stub(ch).Complete(gen_request([5, 6, 7], max_new=5))
+    assert r.finish_reason == gpb.LENGTH and len(r.token_ids) == 5
+    reconfigure(big, {"policy": "fcfs"})  # a valid file is taken again
+    assert policy_of(big) == "fcfs"
+
+
+# -- orderings ----------------------------------------------------------------------------
+def test_priority_request_overtakes_running_low_priority_ones(big):
+    reconfigure(big, {"policy": "priority", "max_num_seqs": 2})
+    lows = {f"low{i}": gen_request([10 + i] * 16, max_new=400, priority=0) for i in range(4)}
+    out, threads = start_streams(big, lows)
+    wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 2 and m["cbserve_num_requests_waiting"] == 2)
+    _stream(big, gen_request([99] * 16, max_new=20, priority=10), out, "high")
+    for t in threads:
+        t.join(120)
+    assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
+    assert len(out["high"]["ids"]) == 20
+    assert out["high"]["end"] < min(out[k]["end"] for k in lows)
+    wait_idle(big)
+
+
+def test_sjf_runs_the_short_job_before_the_long_one(big):
+    reconfigure(big, {"policy": "sjf", "max_num_seqs": 1, "sjf_max_wait_s": 1000.0})
+    out, threads = start_streams(big, {"occupier": gen_request([20] * 16, max_new=600)})
+    wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1 and m["cbserve_generation_tokens_total"] > 0)
+    _, t2 = start_streams(big, {"long": gen_request([30] * 16, max_new=200, expected_output_tokens=200)}, out)
+    wait_metric(big, lambda m: m["cbserve_num_requests_waiting"] == 1)
+    _, t3 = start_streams(big, {"short": gen_request([40] * 16, max_new=10, expected_output_tokens=10)}, out)
+    wait_metric(big, lambda m: m["cbserve_num_requests_waiting"] == 2)
+    assert "occupier" not in out, "both jobs must queue while the seat is taken"
+    for t in threads + t2 + t3:
+        t.join(120)
+    assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
+    assert out["occupier"]["end"] <= out["short"]["first"]
+    assert out["short"]["end"] < out["long"]["first"]
+    wait_idle(big)
+
+
+@pytest.mark.parametrize("policy", ["static", "fcfs"])
+def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
+    reconfigure(big, {"policy": policy, "static_batch_size": 2})
+    # A first request runs alone so that the two batch requests queue together
+    # (static admits whatever waits when nothing runs) and start as one batch.
+    out, t0 = start_streams(big, {"warmup": gen_request([45] * 16, max_new=150)})
+    wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1)
+    batch = {f"b{i}": gen_request([50 + i] * 16, max_new=300) for i in range(2)}
+    _, threads = start_streams(big, batch, out)
+    wait_metric(big, lambda m: "warmup" in out and m["cbserve_num_requests_running"] == 2)
+    _, t2 = start_streams(big, {"late": gen_request([60] * 16, max_new=20)}, out)
+    for t in t0 + threads + t2:
+        t.join(120)
+    assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
+    batch_end = max(out[k]["end"] for k in batch)
+    if policy == "static":
+        assert out["late"]["first"] >= batch_end, "static: the newcomer waits for the whole batch"
+    else:
+        assert out["late"]["end"] < min(out[k]["end"] for k in batch), "fcfs: the newcomer joins at once"
+    wait_idle(big)
