@@ -125,6 +125,18 @@ class LoggingConfig:
 
 
 @dataclass
+class TracingConfig:
+    # OpenTelemetry tracing of each request's life: none | otlp. Off costs nothing.
+    exporter: str = "none"
+    # OTLP/gRPC collector address, e.g. http://otel-collector:4317.
+    otlp_endpoint: str = "http://127.0.0.1:4317"
+    # Plaintext to the collector (a sidecar or node-local agent).
+    otlp_insecure: bool = True
+    # service.name of the exported spans.
+    service_name: str = "cbserve-router"
+
+
+@dataclass
 class RouterConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -132,6 +144,7 @@ class RouterConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -245,6 +258,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
             raise ConfigError(f"executor.{name}: file {path!r} does not exist")
     if cfg.logging.level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"logging.level: {cfg.logging.level!r} is not debug|info|warning|error")
+    if cfg.tracing.exporter not in ("none", "otlp"):
+        raise ConfigError(f"tracing.exporter: {cfg.tracing.exporter!r} is not none|otlp")
     if cfg.logging.format not in ("json", "console", "auto"):
         raise ConfigError(f"logging.format: {cfg.logging.format!r} is not json|console|auto")
     return cfg

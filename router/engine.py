@@ -21,6 +21,7 @@ from router.policies import make_policy
 from router.request import Finish, Request, Status
 from router.scheduler import Scheduler, SchedulerOutput
 from router.tokenizer import Tokenizer
+from router.tracing import RequestTracer
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -44,6 +45,8 @@ class RequestHandle:
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.done = False
         self.last_token_time: float | None = None
+        self.span = None  # OpenTelemetry span when tracing is on
+        self.seen_preemptions = 0
 
     async def next(self) -> Delta:
         return await self.queue.get()
@@ -66,12 +69,14 @@ class ExecutorFacts:
 class Engine:
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, metrics: Metrics,
                  client: ExecutorClient | None = None,
-                 on_executor_lost: Callable[[str], None] | None = None) -> None:
+                 on_executor_lost: Callable[[str], None] | None = None,
+                 tracer: RequestTracer | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.client = client or ExecutorClient(cfg.executor)
         self.on_executor_lost = on_executor_lost
+        self.tracer = tracer
         self.facts: ExecutorFacts | None = None
         self.scheduler: Scheduler | None = None
         self.handles: dict[str, RequestHandle] = {}
@@ -141,6 +146,8 @@ class Engine:
         handle = RequestHandle(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                            req.stopping.stop))
         self.handles[req.request_id] = handle
+        if self.tracer is not None:
+            handle.span = self.tracer.start(req)
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         self._wake.set()
@@ -219,6 +226,8 @@ class Engine:
                     pass
                 continue
             self._step_id += 1
+            if self.tracer is not None:
+                self._trace_plan(out)
             plan = encode_plan(self._step_id, out)
             try:
                 result = await self.client.step(plan)
@@ -276,6 +285,7 @@ class Engine:
             n_out = len(req.output_token_ids)
             if n_out == 1:
                 m.time_to_first_token.observe(now - req.arrival_time)
+                RequestTracer.event(handle.span, "first_token")
             elif handle.last_token_time is not None:
                 m.inter_token_latency.observe(now - handle.last_token_time)
             handle.last_token_time = now
@@ -301,6 +311,8 @@ class Engine:
             status = "CANCELLED" if delta.finish == Finish.CANCELLED else "OK"
         reason = (delta.finish or Finish.CANCELLED).name
         m.requests.labels(finish_reason=reason, status=status).inc()
+        if handle.span is not None:
+            RequestTracer.finish(handle.span, req, status, reason)
         m.e2e_latency.observe(now - req.arrival_time)
         if req.first_scheduled_time is not None:
             m.queue_time.observe(req.first_scheduled_time - req.arrival_time)
@@ -317,6 +329,18 @@ class Engine:
             ttft_s=round(req.first_token_time - req.arrival_time, 4) if req.first_token_time else None,
             e2e_s=round(now - req.arrival_time, 4),
         )
+
+    def _trace_plan(self, out: SchedulerOutput) -> None:
+        for item in out.seqs:
+            handle = self.handles.get(item.req.request_id)
+            if handle is not None and item.num_prompt_tokens:
+                RequestTracer.event(handle.span, "prefill_chunk", tokens=item.num_prompt_tokens,
+                                    step=self._step_id)
+        if out.num_preempted:
+            for handle in self.handles.values():
+                if handle.req.num_preemptions > handle.seen_preemptions:
+                    handle.seen_preemptions = handle.req.num_preemptions
+                    RequestTracer.event(handle.span, "preempted", mode=self.cfg.scheduler.preemption_mode)
 
     def _observe(self, out: SchedulerOutput, result, seconds: float) -> None:
         m = self.metrics

@@ -15,6 +15,7 @@ from router.logging_setup import configure_logging
 from router.metrics import Metrics
 from router.server import PublicServer
 from router.tokenizer import load_tokenizer
+from router.tracing import setup_tracing
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -32,7 +33,8 @@ async def run_router(
     tokenizer = await loop.run_in_executor(None, load_tokenizer, model)
     metrics = Metrics()
     metrics.serve(cfg.server.metrics_port, cfg.server.host)
-    engine = Engine(cfg, tokenizer, metrics, on_executor_lost=on_executor_lost)
+    tracer = setup_tracing(cfg.tracing)
+    engine = Engine(cfg, tokenizer, metrics, on_executor_lost=on_executor_lost, tracer=tracer)
     server = PublicServer(engine, cfg)
     await server.start()
     engine.start()
@@ -61,6 +63,8 @@ async def run_router(
     _LOGGER.info("draining", timeout_s=cfg.server.drain_timeout_s, in_flight=len(engine.handles))
     await server.drain_and_stop(cfg.server.drain_timeout_s)
     await engine.stop()
+    if tracer is not None:
+        tracer.shutdown()
     _LOGGER.info("router stopped")
     return 0
 

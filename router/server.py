@@ -96,7 +96,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     return
         finally:
             if not handle.done:  # client cancelled, disconnected or hit its deadline
-                self.engine.abort(req)
+                self.engine.abort(req, _client_gone(req))
 
     async def Complete(self, request, context):
         handle = await self._admit(request, context)
@@ -117,7 +117,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     return self._response(req.request_id, acc, self._usage(req))
         finally:
             if not handle.done:
-                self.engine.abort(req)
+                self.engine.abort(req, _client_gone(req))
 
     async def Tokenize(self, request, context):
         eng = self.engine
@@ -139,6 +139,14 @@ class GenerationService(gpb_grpc.GenerationServicer):
             version=__version__, max_new_tokens_limit=self.cfg.limits.max_new_tokens,
             attention_backend=f.attention_backend,
         )
+
+
+def _client_gone(req):
+    """Why a handler stopped before its request finished: the client's deadline
+    (recorded as DEADLINE_EXCEEDED), else a cancel or disconnect (None)."""
+    if req.deadline is not None and time.monotonic() >= req.deadline - 0.005:
+        return (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    return None
 
 
 def _credentials(cfg: RouterConfig):
