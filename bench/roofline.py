@@ -1,0 +1,160 @@
+"""Roofline for decode: achieved torch matmul GFLOP/s at SmolLM2's projection
+shapes (M = batch rows) and the decode bound it implies:
+
+    tokens/s <= achieved FLOP/s / (2 x parameters)
+
+computed shape by shape: one decode step at batch M costs
+sum_i t_i(M) (30 layers of q/k/v/o/gate/up/down + the LM head), so the bound
+is M / sum_i t_i(M) tokens/s. Attention over the KV cache, norms and
+activations are left out (they only lower the real ceiling).
+
+    python -m bench roofline [--batch 64] [--dtypes bfloat16,float32]
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 q heads, 3 kv heads, head dim 64,
+# 30 layers, vocab 49152 (tied embeddings: the LM head is the embedding matrix).
+SMOLLM2 = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
+
+
+@dataclass
+class Proj:
+    name: str
+    k: int  # in features
+    n: int  # out features
+    per_token_calls: int  # how many times one decode step runs it (layers)
+
+
+def projections(cfg: dict = SMOLLM2) -> list[Proj]:
+    h, i, d, L = cfg["hidden"], cfg["intermediate"], cfg["head_dim"], cfg["layers"]
+    q, kv = cfg["heads"] * d, cfg["kv_heads"] * d
+    return [
+        Proj("q_proj", h, q, L), Proj("k_proj", h, kv, L), Proj("v_proj", h, kv, L), Proj("o_proj", q, h, L),
+        Proj("gate_proj", h, i, L), Proj("up_proj", h, i, L), Proj("down_proj", i, h, L),
+        Proj("lm_head", h, cfg["vocab"], 1),
+    ]
+
+
+def param_count(cfg: dict = SMOLLM2) -> dict[str, int]:
+    mm = sum(p.k * p.n * p.per_token_calls for p in projections(cfg))
+    norms = cfg["hidden"] * (2 * cfg["layers"] + 1)
+    return {"matmul_params": mm, "total_params": mm + norms,
+            "embedding_params": cfg["hidden"] * cfg["vocab"]}
+
+
+def time_linear(m: int, k: int, n: int, dtype, min_time_s: float = 0.15, reps: int = 7) -> float:
+    """Best (minimum) seconds per call of F.linear([m,k], [n,k]) over `reps`
+    timed loops: a roofline is an upper bound, and on a shared machine the
+    minimum is the sample least disturbed by other load."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(m, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype)
+    with torch.inference_mode():
+        for _ in range(3):
+            F.linear(x, w)
+        # calibrate the inner loop to ~min_time_s / reps
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        one = max(time.perf_counter() - t0, 1e-6)
+        iters = max(1, int(min_time_s / reps / one))
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                F.linear(x, w)
+            samples.append((time.perf_counter() - t0) / iters)
+    return min(samples)
+
+
+def measure(batch: int = 64, dtypes: tuple[str, ...] = ("bfloat16", "float32"), cfg: dict = SMOLLM2,
+            min_time_s: float = 0.15, progress: bool = False) -> dict[str, Any]:
+    import torch
+
+    projs = projections(cfg)
+    params = param_count(cfg)
+    out: dict[str, Any] = {"batch": batch, "threads": torch.get_num_threads(), "params": params,
+                           "matmuls": [], "bounds": []}
+    it = [(dt, p) for dt in dtypes for p in projs]
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="roofline", unit="shape", leave=False)
+    per_dtype: dict[str, float] = {}
+    one_row: dict[str, float] = {}
+    for dt, p in it:
+        tdt = getattr(torch, dt)
+        s = time_linear(batch, p.k, p.n, tdt, min_time_s)
+        gf = 2 * batch * p.k * p.n / s / 1e9
+        out["matmuls"].append({"name": p.name, "m": batch, "k": p.k, "n": p.n, "dtype": dt, "ms": s * 1e3,
+                               "gflops": gf, "calls_per_step": p.per_token_calls})
+        per_dtype[dt] = per_dtype.get(dt, 0.0) + s * p.per_token_calls
+        if p.name == "gate_proj":
+            s1 = time_linear(1, p.k, p.n, tdt, min_time_s / 2)
+            one_row[dt] = 2 * p.k * p.n / s1 / 1e9
+    for dt in dtypes:
+        step_s = per_dtype[dt]
+        flops_step = 2 * batch * params["matmul_params"]
+        gflops_w = flops_step / step_s / 1e9
+        bound = batch / step_s  # == achieved FLOP/s / (2 x matmul params)
+        g1536 = next(m["gflops"] for m in out["matmuls"] if m["dtype"] == dt and m["name"] == "gate_proj")
+        out["bounds"].append({"dtype": dt, "gflops_weighted": gflops_w, "decode_bound_tok_s": bound,
+                              "gflops_576x1536": g1536,
+                              "simple_bound_tok_s": g1536 * 1e9 / (2 * params["matmul_params"]),
+                              "step_matmul_ms": step_s * 1e3, "gflops_batch1_576x1536": one_row.get(dt)})
+    return out
+
+
+def attach_cbserve(roof: dict, decode_tok_s_by_dtype: dict[str, float]) -> dict:
+    for b in roof["bounds"]:
+        v = decode_tok_s_by_dtype.get(b["dtype"])
+        if v is not None:
+            b["cbserve_decode_tok_s"] = v
+            b["share"] = v / b["decode_bound_tok_s"]
+    return roof
+
+
+def describe(roof: dict) -> str:
+    p = roof["params"]
+    lines = ["Bound: tokens/s <= achieved FLOP/s / (2 × parameters). 'Decode bound' adds up the measured time of "
+             "every projection of one decode step at batch M (so slow shapes count); 'simple bound' uses the "
+             "64×576×1536 rate alone. Best of 7 timed loops per shape.",
+             f"Matmul parameters per decode step: {p['matmul_params'] / 1e6:.1f} M (30 layers of q/k/v/o/gate/up/down "
+             f"+ the tied 576×49152 LM head); one decode token costs 2 × that in FLOPs. torch {roof.get('torch', '')} "
+             f"F.linear, {roof['threads']} threads, M = {roof['batch']} rows (one row per sequence in the batch)."]
+    for b in roof["bounds"]:
+        if b.get("gflops_batch1_576x1536"):
+            lines.append(f"{b['dtype']}: 576×1536 at one row reaches {b['gflops_batch1_576x1536']:.0f} GFLOP/s "
+                         f"(batching is what makes decode efficient).")
+    return " ".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import torch
+
+    ap = argparse.ArgumentParser(prog="bench roofline")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--out", default=None, help="write the JSON here")
+    a = ap.parse_args(argv)
+    roof = measure(a.batch, tuple(a.dtypes.split(",")), progress=True)
+    roof["torch"] = torch.__version__
+    for m in roof["matmuls"]:
+        print(f"{m['dtype']:>9} {m['name']:>9} {m['m']}x{m['k']}x{m['n']:<6} {m['gflops']:7.1f} GFLOP/s "
+              f"{m['ms']:.3f} ms")
+    for b in roof["bounds"]:
+        print(f"{b['dtype']:>9}: weighted {b['gflops_weighted']:.1f} GFLOP/s -> decode bound "
+              f"{b['decode_bound_tok_s']:.0f} tok/s at batch {a.batch}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(roof, f, indent=2)
+    return 0

@@ -1,0 +1,55 @@
+"""Suite orchestration with the systems stubbed out (no model, no server)."""
+
+import bench.hf_export
+import bench.runner
+from bench.runner import make_run
+from bench.stats import RequestRecord
+from bench.suite import run_suite
+
+
+def _fake_run_system(system, workloads, *, dtype, **kw):
+    out = []
+    for w in workloads:
+        recs = []
+        for r in w.requests:
+            rec = RequestRecord(index=r.index, prompt_tokens=len(r.prompt_ids), max_new_tokens=r.max_new_tokens,
+                                send_s=r.arrival_s)
+            for k in range(r.max_new_tokens):
+                rec.add_tokens(1, r.arrival_s + 0.01 * (k + 1))
+            rec.end_s = rec.token_times[-1]
+            rec.finish_reason = "LENGTH"
+            recs.append(rec)
+        m = {"available": True, "mean_batch_occupancy": 2.0, "iteration_mean_s": 0.01, "inner_mean_s": 0.009,
+             "inner_metric": "cbserve_executor_forward_seconds", "overhead_share": 0.1} \
+            if system.startswith("cbserve") else {}
+        out.append(make_run(system, dtype, w, recs, None, metrics=m))
+    return out
+
+
+def test_suite_with_stub_systems(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.runner, "run_system", _fake_run_system)
+    monkeypatch.setattr(bench.runner, "vllm_available", lambda: False)
+    monkeypatch.setattr(bench.hf_export, "export_smollm2_hf", lambda *a, **k: tmp_path / "model")
+    res = run_suite(tmp_path / "docs", num_requests=3, caps=(4, 8), rates=(50.0,), results_dir=tmp_path / "res",
+                    roofline=False, progress=False)
+    systems = {(r["system"], r["cap"]) for r in res["runs"]}
+    assert ("hf-static", 4) in systems and ("cbserve-fcfs", 8) in systems
+    assert not any(s == "vllm-cpu" for s, _ in systems)
+    assert any("vLLM-CPU skipped" in e for e in res["errors"])
+    assert [o["batch"] for o in res["overheads"]] == [1, 64]
+    assert res["overheads"][0]["overhead_share"] == 0.1
+    assert [r["rate"] for r in res["rate_sweep"]] == [50.0]
+    md = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "cbserve fcfs (continuous)" in md and "Latency vs arrival rate" in md
+    assert (tmp_path / "res" / "summary.json").exists()
+
+
+def test_suite_budget_skips(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.runner, "run_system", _fake_run_system)
+    monkeypatch.setattr(bench.runner, "vllm_available", lambda: False)
+    monkeypatch.setattr(bench.hf_export, "export_smollm2_hf", lambda *a, **k: tmp_path / "model")
+    res = run_suite(tmp_path / "docs", num_requests=2, caps=(4,), results_dir=tmp_path / "res", roofline=True,
+                    overheads=False, rate_sweep=False, progress=False, budget_min=0.0)
+    assert res["runs"] == []
+    assert "roofline" not in res
+    assert any("budget" in e for e in res["errors"])
