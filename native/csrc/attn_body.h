@@ -144,7 +144,182 @@ static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv,
   }
 }
 
+// ------------------------------------------------------------ decode path ---
+// Items with few rows (decode: q_len 1-2 x the GQA group). K and V are read
+// straight from the cache in groups of (up to) 16 tokens: no transposed tile.
+// An ISA may provide faster group kernels by defining CB_DEC_SCORES /
+// CB_DEC_PV before including this header; these portable ones only use V.
+//
+//   scores: S[r*lds + t] = sum_d Q[r*ldq + d] * K_t[d]      (r < M, t < n <= 16)
+//   pv:     A[r*lda + d] += sum_t P[r*ldp + t] * V_t[d]     (r < M, d < D, t < n <= chunk)
+// with token t's row at element offset offs[t] of `base` (storage dtype);
+// `tmp` is [16, DP] fp32 staging whose [D, DP) columns are zero.
+static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, const char* base,
+                                     const int64_t* offs, int64_t n, int dtype, int64_t D, float* S,
+                                     int64_t lds, float* tmp) {
+  const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
+  const int64_t DP = round_up(D, kPad);
+  for (int64_t t = 0; t < n; ++t) {
+    float* kr = tmp + t * DP;
+    V::to_f32(base + offs[t] * es, dtype, kr, D);
+    for (int64_t r = 0; r < M; ++r) {
+      typename V::R acc = V::zero();
+      for (int64_t d = 0; d < DP; d += V::W) acc = V::fma(V::load(Q + r * ldq + d), V::load(kr + d), acc);
+      S[r * lds + t] = V::hsum(acc);
+    }
+  }
+}
+
+static inline void dec_pv_simple(const float* P, int64_t ldp, int64_t M, const char* base,
+                                 const int64_t* offs, int64_t n, int dtype, int64_t D, float* A,
+                                 int64_t lda, float* tmp) {
+  const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
+  const int64_t DP = round_up(D, kPad);
+  float* vr = tmp;
+  for (int64_t t = 0; t < n; ++t) {
+    V::to_f32(base + offs[t] * es, dtype, vr, D);
+    for (int64_t r = 0; r < M; ++r) {
+      const float pt = P[r * ldp + t];
+      if (pt == 0.f) continue;
+      const typename V::R pv = V::set1(pt);
+      float* a = A + r * lda;
+      for (int64_t d = 0; d < DP; d += V::W) V::store(a + d, V::fma(pv, V::load(vr + d), V::load(a + d)));
+    }
+  }
+}
+
+static inline void prefetch_row(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
+#ifndef CB_DEC_SCORES
+#define CB_DEC_SCORES dec_scores_simple
+#endif
+#ifndef CB_DEC_PV
+#define CB_DEC_PV dec_pv_simple
+#endif
+
+static_assert(cbserve_native::kDecodeMaxRows <= 16, "mrow/lrow hold 16 floats each");
+static_assert(cbserve_native::kDecodeChunk % 16 == 0, "chunk");
+
+static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scratch) {
+  const int64_t D = p.head_dim, bs = p.block_size, hq = p.hq, hkv = p.hkv;
+  const int64_t G = hq / hkv, h = it.kv_head;
+  const int dtype = p.dtype;
+  const int64_t esize = dtype == cbserve_native::kF32 ? 4 : 2;
+  const int64_t q0 = p.cu_seqlens[it.seq];
+  const int64_t q_len = p.cu_seqlens[it.seq + 1] - q0;
+  const int64_t ctx = p.seq_lens[it.seq] - q_len;
+  const int64_t nq = it.q_end - it.q_begin;
+  const int64_t M = nq * G;
+  const int64_t DP = round_up(D, kPad);
+  constexpr int64_t CH = cbserve_native::kDecodeChunk;
+
+  float* Qf = scratch;          // [M, DP]  scaled queries
+  float* Acc = Qf + M * DP;     // [M, DP]  un-normalised output
+  float* mrow = Acc + M * DP;   // [M]      running max
+  float* lrow = mrow + 16;      // [M]      running sum (M <= 16; keeps S 64-byte aligned)
+  float* S = lrow + 16;         // [M, CH]  scores, then probabilities of one chunk
+  float* tmp = S + M * CH;      // [16, DP] staging for the group kernels
+  int64_t* offs = reinterpret_cast<int64_t*>(tmp + 16 * DP);  // [CH] token row offsets
+  const int64_t rowb = D * esize;
+  for (int64_t t = 0; t < 16; ++t)
+    for (int64_t d = D; d < DP; ++d) tmp[t * DP + d] = 0.f;
+
+  const char* qbase = static_cast<const char*>(p.query);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const int64_t off = ((q0 + it.q_begin + i) * hq + h * G + g) * D;
+      float* qr = Qf + r * DP;
+      V::to_f32(qbase + off * esize, dtype, qr, D);
+      for (int64_t d = 0; d < D; ++d) qr[d] *= p.scale;
+      for (int64_t d = D; d < DP; ++d) qr[d] = 0.f;
+      float* ar = Acc + r * DP;
+      for (int64_t d = 0; d < DP; ++d) ar[d] = 0.f;
+      mrow[r] = -__builtin_inff();
+      lrow[r] = 0.f;
+    }
+  }
+
+  const int64_t kv_hi = ctx + it.q_end;  // exclusive end of the KV range any row sees
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  const char* kc = static_cast<const char*>(p.key_cache);
+  const char* vc = static_cast<const char*>(p.value_cache);
+  const float ninf = -__builtin_inff();
+
+  for (int64_t c0 = 0; c0 < kv_hi; c0 += CH) {
+    const int64_t n = cb_min(CH, kv_hi - c0);
+    // Scores of the chunk, 16 tokens at a time (token rows gathered across blocks).
+    // Element offsets of the chunk's token rows (walked without divisions).
+    for (int64_t t = 0, blk = c0 / bs, in_blk = c0 % bs; t < n; ++t) {
+      offs[t] = ((int64_t(table[blk]) * bs + in_blk) * hkv + h) * D;
+      if (++in_blk == bs) in_blk = 0, ++blk;
+    }
+    for (int64_t g0 = 0; g0 < n; g0 += 16) {
+      const int64_t gn = cb_min(16, n - g0);
+      // Blocks are scattered, so the hardware prefetcher cannot follow: fetch
+      // the next group's K rows and this group's V rows (used after the softmax).
+      for (int64_t t = g0 + 16; t < cb_min(n, g0 + 32); ++t) prefetch_row(kc + offs[t] * esize, rowb);
+      for (int64_t t = g0; t < g0 + gn; ++t) prefetch_row(vc + offs[t] * esize, rowb);
+      CB_DEC_SCORES(Qf, DP, M, kc, offs + g0, gn, dtype, D, S + g0, CH, tmp);
+    }
+    // Exact softmax over the chunk, rescaling the running state once per chunk.
+    const int64_t ncols = (n + V::W - 1) / V::W * V::W;
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t pos = ctx + it.q_begin + r / G;  // the row's own position
+      const int64_t vis = cb_max(0, cb_min(n, pos - c0 + 1));
+      float* s = S + r * CH;
+      for (int64_t t = vis; t < ncols; ++t) s[t] = ninf;
+      if (vis == 0) {
+        for (int64_t t = 0; t < ncols; ++t) s[t] = 0.f;
+        continue;
+      }
+      typename V::R mx = V::set1(ninf);
+      for (int64_t c = 0; c < ncols; c += V::W) mx = V::max(mx, V::load(s + c));
+      const float bmax = V::hmax(mx);
+      const float m_old = mrow[r];
+      const float m_new = bmax > m_old ? bmax : m_old;
+      const typename V::R mv = V::set1(m_new);
+      typename V::R sum = V::zero();
+      for (int64_t c = 0; c < ncols; c += V::W) {
+        const typename V::R e = V::exp(V::sub(V::load(s + c), mv));
+        V::store(s + c, e);
+        sum = V::add(sum, e);
+      }
+      const float corr = m_old == ninf ? 0.f : __builtin_expf(m_old - m_new);
+      lrow[r] = lrow[r] * corr + V::hsum(sum);
+      mrow[r] = m_new;
+      if (corr != 1.f) {
+        float* a = Acc + r * DP;
+        const typename V::R cv = V::set1(corr);
+        for (int64_t d = 0; d < DP; d += V::W) V::store(a + d, V::mul(V::load(a + d), cv));
+      }
+    }
+    // P.V, streaming V rows.
+    CB_DEC_PV(S, CH, M, vc, offs, n, dtype, D, Acc, DP, tmp);
+  }
+
+  char* obase = static_cast<char*>(p.out);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      float* a = Acc + r * DP;
+      const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
+      const typename V::R iv = V::set1(inv);
+      for (int64_t d = 0; d < DP; d += V::W) V::store(a + d, V::mul(V::load(a + d), iv));
+      const int64_t off = ((q0 + it.q_begin + i) * hq + h * G + g) * D;
+      V::from_f32(a, dtype, obase + off * esize, D);
+    }
+  }
+}
+
+// ------------------------------------------------------------- tiled path ---
 static void attn_item_impl(const AttnParams& p, const AttnItem& it, float* scratch) {
+  if ((it.q_end - it.q_begin) * (p.hq / p.hkv) <= cbserve_native::kDecodeMaxRows) {
+    attn_decode_impl(p, it, scratch);
+    return;
+  }
   const int64_t D = p.head_dim, bs = p.block_size, hq = p.hq, hkv = p.hkv;
   const int64_t G = hq / hkv, h = it.kv_head;
   const int dtype = p.dtype;

@@ -145,7 +145,221 @@ struct V {
   }
 };
 
+// ------------------------------------------------- decode group kernels ---
+template <int DT>
+static inline __m512 load16t(const char* p, __mmask16 m) {
+  return load16(p, DT, m);
+}
+
+// 32 consecutive elements (masked) as two fp32 vectors. bf16: lanes hold the
+// even / odd elements (a shift and an AND of one load); fp32/fp16: the low
+// and high 16. The query is permuted the same way, so dot products match.
+template <int DT>
+static inline void load32t(const char* p, __mmask32 m, __m512& x0, __m512& x1) {
+  if constexpr (DT == cbserve_native::kBF16) {
+    const __m512i raw = _mm512_maskz_loadu_epi16(m, p);
+    x0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    x1 = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int(0xffff0000u))));
+  } else {
+    constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
+    x0 = load16(p, DT, __mmask16(m));
+    x1 = load16(p + 16 * es, DT, __mmask16(m >> 16));
+  }
+}
+
+// Per 128-bit lane: the 4 vectors' in-lane sums, element i = vector i.
+static inline __m512 hsum4_lanes(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  return _mm512_add_ps(_mm512_shuffle_ps(b0, b1, 0x44), _mm512_shuffle_ps(b0, b1, 0xEE));
+}
+// Lane 4j+i = total of hsum4_lanes result c[j]'s element i over the four 128-bit lanes.
+static inline __m512 hsum_quads(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c2, c3, 0x88), _mm512_shuffle_f32x4(c2, c3, 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// RS query rows x up to 16 tokens: each K row is loaded and converted once
+// (in registers), dotted with the RS query rows (qb: [RS][2*NP] vectors in
+// the load32t layout), and the per-token partial-sum vectors are reduced by
+// transpose-add trees, 4 tokens at a time.
+template <int NP, int DT, int RS>
+static inline void dec_scores_rows(const float* qb, const char* base, const int64_t* offs, int64_t n,
+                                   const __mmask32* m, float* S, int64_t lds) {
+  constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
+  constexpr int NV = 2 * NP;
+  __m512 c[RS][4];
+  for (int j = 0; j < 4; ++j) {
+    __m512 a[RS][4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t t = 4 * j + i < n ? 4 * j + i : n - 1;  // lanes >= n are not stored
+      const char* k = base + offs[t] * es;
+      __m512 x[NV];
+      for (int pc = 0; pc < NP; ++pc) load32t<DT>(k + pc * 32 * es, m[pc], x[2 * pc], x[2 * pc + 1]);
+      for (int r = 0; r < RS; ++r) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qb + r * NV * 16), x[0]);
+        for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qb + (r * NV + v) * 16), x[v], acc);
+        a[r][i] = acc;
+      }
+    }
+    for (int r = 0; r < RS; ++r) c[r][j] = hsum4_lanes(a[r][0], a[r][1], a[r][2], a[r][3]);
+  }
+  const __mmask16 sm = tail_mask(n);
+  for (int r = 0; r < RS; ++r) _mm512_mask_storeu_ps(S + r * lds, sm, hsum_quads(c[r][0], c[r][1], c[r][2], c[r][3]));
+}
+
+// Dispatch shim: NC = 16-lane chunks of D, NP = 32-element pairs.
+template <int NC, int DT>
+static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
+                         int64_t n, int64_t D, float* S, int64_t lds) {
+  constexpr int NP = (NC + 1) / 2, NV = 2 * NP;
+  __mmask32 m[NP];
+  for (int pc = 0; pc < NP; ++pc) {
+    const int64_t left = D - pc * 32;
+    m[pc] = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);
+  }
+  // Query rows in the load32t layout (zero beyond D).
+  alignas(64) float qb[16 * NV * 16];
+  const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  for (int64_t r = 0; r < M; ++r) {
+    for (int pc = 0; pc < NP; ++pc) {
+      const float* q = Q + r * ldq + pc * 32;
+      const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(D - pc * 32), q);
+      const __m512 hi = D - pc * 32 > 16 ? _mm512_maskz_loadu_ps(tail_mask(D - pc * 32 - 16), q + 16)
+                                         : _mm512_setzero_ps();
+      float* dst = qb + (r * NV + 2 * pc) * 16;
+      if constexpr (DT == cbserve_native::kBF16) {
+        _mm512_store_ps(dst, _mm512_permutex2var_ps(lo, ev, hi));
+        _mm512_store_ps(dst + 16, _mm512_permutex2var_ps(lo, od, hi));
+      } else {
+        _mm512_store_ps(dst, lo);
+        _mm512_store_ps(dst + 16, hi);
+      }
+    }
+  }
+  constexpr int RS = NP <= 2 ? 3 : 2;
+  int64_t r0 = 0;
+  for (; r0 + RS <= M; r0 += RS)
+    dec_scores_rows<NP, DT, RS>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds);
+  for (; r0 < M; ++r0) dec_scores_rows<NP, DT, 1>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds);
+}
+
+// A[r] += sum_t P[r*ldp + t] * V_t over a whole chunk of tokens: V rows are
+// converted on the fly (load32t layout), RT rows x 2*NP vectors of
+// accumulators stay in registers; A (natural layout, D columns) is read and
+// written once.
+template <int NP, int DT, int RT>
+static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, const int64_t* offs,
+                               int64_t n, int64_t D, const __mmask32* m, float* A, int64_t lda) {
+  constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
+  constexpr int NV = 2 * NP;
+  const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(8));
+  __m512 acc[RT][NV];
+  for (int r = 0; r < RT; ++r) {
+    for (int pc = 0; pc < NP; ++pc) {
+      const float* a = A + r * lda + pc * 32;
+      const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(D - pc * 32), a);
+      const __m512 hi = D - pc * 32 > 16 ? _mm512_maskz_loadu_ps(tail_mask(D - pc * 32 - 16), a + 16)
+                                         : _mm512_setzero_ps();
+      if constexpr (DT == cbserve_native::kBF16) {
+        acc[r][2 * pc] = _mm512_permutex2var_ps(lo, ev, hi);
+        acc[r][2 * pc + 1] = _mm512_permutex2var_ps(lo, od, hi);
+      } else {
+        acc[r][2 * pc] = lo;
+        acc[r][2 * pc + 1] = hi;
+      }
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const char* v = base + offs[t] * es;
+    __m512 x[NV];
+    for (int pc = 0; pc < NP; ++pc) load32t<DT>(v + pc * 32 * es, m[pc], x[2 * pc], x[2 * pc + 1]);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 pr = _mm512_set1_ps(P[r * ldp + t]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pr, x[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    for (int pc = 0; pc < NP; ++pc) {
+      float* a = A + r * lda + pc * 32;
+      __m512 lo = acc[r][2 * pc], hi = acc[r][2 * pc + 1];
+      if constexpr (DT == cbserve_native::kBF16) {
+        lo = _mm512_permutex2var_ps(acc[r][2 * pc], il, acc[r][2 * pc + 1]);
+        hi = _mm512_permutex2var_ps(acc[r][2 * pc], ih, acc[r][2 * pc + 1]);
+      }
+      _mm512_mask_storeu_ps(a, tail_mask(D - pc * 32), lo);
+      if (D - pc * 32 > 16) _mm512_mask_storeu_ps(a + 16, tail_mask(D - pc * 32 - 16), hi);
+    }
+  }
+}
+
+template <int NC, int DT>
+static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, const int64_t* offs,
+                     int64_t n, int64_t D, float* A, int64_t lda) {
+  constexpr int NP = (NC + 1) / 2, NV = 2 * NP;
+  // rt * NV accumulators + NV values + 1 broadcast <= 32 registers.
+  constexpr int RT = (31 / NV - 1) < 4 ? (31 / NV - 1) : 4;
+  __mmask32 m[NP];
+  for (int pc = 0; pc < NP; ++pc) {
+    const int64_t left = D - pc * 32;
+    m[pc] = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);
+  }
+  int64_t r0 = 0;
+  for (; r0 + RT <= M; r0 += RT)
+    dec_pv_rows<NP, DT, RT>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda);
+  for (; r0 < M; ++r0) dec_pv_rows<NP, DT, 1>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda);
+}
+
+#define CB_DEC_DISPATCH(KERNEL, ...)                                                   \
+  do {                                                                                 \
+    const int64_t nc_ = (D + 15) / 16;                                                 \
+    switch (dtype * 16 + int(nc_)) {                                                   \
+      CB_DEC_CASES(KERNEL, 0, __VA_ARGS__)                                             \
+      CB_DEC_CASES(KERNEL, 1, __VA_ARGS__)                                             \
+      CB_DEC_CASES(KERNEL, 2, __VA_ARGS__)                                             \
+      default: return false;                                                           \
+    }                                                                                  \
+    return true;                                                                       \
+  } while (0)
+#define CB_DEC_CASE(KERNEL, DT, NC, ...) \
+  case DT * 16 + NC: KERNEL<NC, DT>(__VA_ARGS__); break;
+#define CB_DEC_CASES(KERNEL, DT, ...)                                                   \
+  CB_DEC_CASE(KERNEL, DT, 1, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 2, __VA_ARGS__)     \
+  CB_DEC_CASE(KERNEL, DT, 3, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 4, __VA_ARGS__)     \
+  CB_DEC_CASE(KERNEL, DT, 5, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 6, __VA_ARGS__)     \
+  CB_DEC_CASE(KERNEL, DT, 7, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 8, __VA_ARGS__)
+
+static inline bool dec_scores_fast(const float* Q, int64_t ldq, int64_t M, const char* base,
+                                   const int64_t* offs, int64_t n, int dtype, int64_t D, float* S,
+                                   int64_t lds, float* tmp) {
+  (void)tmp;
+  CB_DEC_DISPATCH(dec_scores_k, Q, ldq, M, base, offs, n, D, S, lds);
+}
+static inline bool dec_pv_fast(const float* P, int64_t ldp, int64_t M, const char* base,
+                               const int64_t* offs, int64_t n, int dtype, int64_t D, float* A,
+                               int64_t lda) {
+  CB_DEC_DISPATCH(dec_pv_k, P, ldp, M, base, offs, n, D, A, lda);
+}
+#undef CB_DEC_DISPATCH
+#undef CB_DEC_CASE
+#undef CB_DEC_CASES
+
 }  // namespace
+
+// head_dim <= 128 uses the AVX-512 group kernels, larger ones the portable ones.
+#define CB_DEC_SCORES(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp)          \
+  (dec_scores_fast(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp)             \
+       ? void()                                                                  \
+       : dec_scores_simple(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp))
+#define CB_DEC_PV(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp)              \
+  (dec_pv_fast(P, ldp, M, base, offs, n, dtype, D, A, lda)                      \
+       ? void()                                                                  \
+       : dec_pv_simple(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp))
 
 #include "attn_body.h"
 

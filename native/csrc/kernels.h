@@ -51,11 +51,29 @@ inline int64_t kv_tile(int64_t block_size, int64_t rows) {
                                   : block_size * ((min_tokens + block_size - 1) / block_size);
 }
 
+// Decode path (attn_body.h, attn_decode_impl): items with at most
+// kDecodeMaxRows rows (tokens x group heads, e.g. q_len 1-2) skip the tiled
+// micro-GEMM path; they stream K/V straight from the cache, 16 tokens at a
+// time, and keep an exact softmax over chunks of kDecodeChunk tokens (online
+// rescaling only between chunks).
+constexpr int64_t kDecodeMaxRows = 16;
+constexpr int64_t kDecodeChunk = 512;  // multiple of 16
+
+inline int64_t decode_scratch_floats(int64_t head_dim) {
+  const int64_t dp = round_up(head_dim, kPad);
+  // Q, Acc [rows, dp]; max, sum [rows]; S [rows, chunk]; K/V staging [16, dp];
+  // int64 row offsets [chunk].
+  return 2 * kDecodeMaxRows * dp + 2 * kDecodeMaxRows + kDecodeMaxRows * kDecodeChunk + 16 * dp +
+         2 * kDecodeChunk + 4 * kPad;
+}
+
 // Floats of scratch memory an item with at most `max_rows` (tokens x group)
 // rows needs; the caller allocates it once per thread.
 inline int64_t attn_scratch_floats(int64_t max_rows, int64_t head_dim, int64_t block_size) {
   const int64_t dp = round_up(head_dim, kPad), np = round_up(kv_tile(block_size, 1 << 30), kPad);
-  return 2 * max_rows * dp + 3 * max_rows + max_rows * np + 2 * dp * np + 4 * kPad;
+  const int64_t tiled = 2 * max_rows * dp + 3 * max_rows + max_rows * np + 2 * dp * np + 4 * kPad;
+  const int64_t dec = decode_scratch_floats(head_dim);
+  return tiled > dec ? tiled : dec;
 }
 
 struct CacheParams {
