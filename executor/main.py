@@ -10,6 +10,7 @@ import torch
 
 from executor import model_loader, model_source
 from executor.kv_cache import CacheShape
+from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
 from executor.server import ExecutorService, build_server, wait_forever
 
@@ -26,6 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="router.yaml: its cache section sizes the KV pool")
     p.add_argument("--attention-backend", default="native", choices=["native", "torch"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of this process (0 = off)")
     p.add_argument("--tls-cert", default="", help="TLS certificate for a TCP listener")
     p.add_argument("--tls-key", default="")
     return p.parse_args(argv)
@@ -50,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(model, cache.block_size, num_blocks, num_swap, args.attention_backend)
     eos = cfg.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    service = ExecutorService(runner, source.name, eos_ids)
+    metrics = ExecutorMetrics()
+    metrics.serve(args.metrics_port)
+    service = ExecutorService(runner, source.name, eos_ids, metrics)
     server, health = build_server(service, args.listen, args.tls_cert, args.tls_key)
     _LOGGER.info("executor ready", listen=args.listen, model=source.name,
                  dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,

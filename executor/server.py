@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cbserve.v1 import executor_pb2 as pb
 from cbserve.v1 import executor_pb2_grpc as pb_grpc
+from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner, PlanError
 
 _LOGGER = structlog.get_logger(__name__)
@@ -23,8 +24,10 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
-    def __init__(self, runner: ModelRunner, model_name: str, eos_ids: list[int]) -> None:
+    def __init__(self, runner: ModelRunner, model_name: str, eos_ids: list[int],
+                 metrics: ExecutorMetrics | None = None) -> None:
         self.runner = runner
+        self.metrics = metrics or ExecutorMetrics()
         self.model_name = model_name
         self.eos_ids = eos_ids
         self.instance_id = random.getrandbits(63)
@@ -56,8 +59,16 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 out = self.runner.step(request)
             except (PlanError, KeyError, IndexError, ValueError) as exc:
                 _LOGGER.warning("rejected plan", step_id=request.step_id, error=str(exc))
+                self.metrics.rejected_plans.inc()
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             self.steps += 1
+            m = self.metrics
+            m.steps.inc()
+            m.step_seconds.observe(out.step_seconds)
+            m.forward_seconds.observe(out.forward_seconds)
+            m.step_tokens.observe(sum(s.num_tokens for s in request.seqs))
+            m.sampled_tokens.inc(len(out.token_ids))
+            m.sequences.set(len(self.runner.state))
         return pb.StepResult(
             step_id=request.step_id,
             seq_ids=out.seq_ids,

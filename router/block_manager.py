@@ -82,6 +82,11 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    def swap_usage(self) -> float:
+        if not self.num_swap_blocks:
+            return 0.0
+        return 1.0 - len(self._swap_free) / self.num_swap_blocks
+
     def block_ids(self, req: Request) -> list[int]:
         t = self._tables.get(req.request_id)
         return list(t.block_ids) if t else []

@@ -92,6 +92,7 @@ class Engine:
         self._seen_swaps = 0
         self._seen_queries = 0
         self._seen_hits = 0
+        self._gauge_policy = ""
 
     # -- lifecycle --------------------------------------------------------------
     def on_ready_change(self, fn: Callable[[bool], None]) -> None:
@@ -361,6 +362,13 @@ class Engine:
         m.num_requests_waiting.set(len(sched.waiting))
         m.num_requests_swapped.set(len(sched.swapped))
         m.kv_cache_usage_ratio.set(sched.blocks.usage())
+        m.swap_usage_ratio.set(sched.blocks.swap_usage())
+        policy = sched.policy.name
+        if policy != self._gauge_policy:  # a reload: drop the old policy's series
+            m.queue_requests.clear()
+            self._gauge_policy = policy
+        for name, queue in (("waiting", sched.waiting), ("running", sched.running), ("swapped", sched.swapped)):
+            m.queue_requests.labels(policy=policy, queue=name).set(len(queue))
         if sched.num_preemptions > self._seen_preemptions:
             m.num_preemptions.inc(sched.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = sched.num_preemptions

@@ -16,6 +16,9 @@ class Metrics:
         self.num_requests_running = Gauge("cbserve_num_requests_running", "Requests in the running batch", registry=r)
         self.num_requests_waiting = Gauge("cbserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.num_requests_swapped = Gauge("cbserve_num_requests_swapped", "Requests swapped out to host memory", registry=r)
+        self.queue_requests = Gauge("cbserve_queue_requests", "Requests per scheduler queue, labelled with the active policy",
+                                    ["policy", "queue"], registry=r)
+        self.swap_usage_ratio = Gauge("cbserve_swap_usage_ratio", "Share of host swap blocks held by swapped-out requests (0-1)", registry=r)
         self.kv_cache_usage_ratio = Gauge("cbserve_kv_cache_usage_ratio", "Share of KV blocks held by requests (0-1)", registry=r)
         self.num_preemptions = Counter("cbserve_num_preemptions", "Preemptions (recompute or swap)", registry=r)
         self.num_swaps = Counter("cbserve_num_swaps", "Preemptions that swapped a request's KV blocks out to host memory", registry=r)

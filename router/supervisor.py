@@ -68,7 +68,8 @@ async def _serve(args) -> int:
         sock = os.path.join(tempfile.gettempdir(), f"cbserve-{os.getpid()}", "executor.sock")
         cfg.executor.address = f"unix://{sock}"
     exe_argv = ["--model", args.model, "--dtype", args.dtype, "--listen", cfg.executor.address,
-                "--attention-backend", args.attention_backend]
+                "--attention-backend", args.attention_backend, "--threads", str(args.executor_threads),
+                "--metrics-port", str(args.executor_metrics_port)]
     if args.config:
         exe_argv += ["--config", args.config]
     if cfg.executor.tls_cert_file and not cfg.executor.address.startswith("unix://"):

@@ -318,3 +318,32 @@ def test_metrics_doc_lists_exactly_the_exported_metrics():
     assert not missing and not stale, f"docs/metrics.md: missing {sorted(missing)}, stale {sorted(stale)}"
     for name, (typ, labels) in exported.items():
         assert documented[name] == (typ, labels), f"{name}: doc says {documented[name]}, code {(typ, labels)}"
+
+
+def test_executor_process_serves_its_own_metrics():
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.conftest import free_port, start_server
+    from tests.integration.helpers import gen_request, stub
+
+    port = free_port()
+    server = start_server("tiny", extra_args=["--executor-metrics-port", str(port)])
+    try:
+        with server.channel() as ch:
+            for n in (3, 5):
+                stub(ch).Complete(gen_request([5, 6, 7, 8], max_new=n))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        samples = {s.name: s.value for f in fams.values() for s in f.samples}
+    finally:
+        server.stop()
+    assert samples["cbserve_executor_sampled_tokens_total"] == 8
+    # Each request: one prefill step (4 tokens) and n - 1 decode steps; the
+    # plan that frees the first request's state may ride with the second's
+    # prefill or go alone, the second's goes alone.
+    steps = samples["cbserve_executor_steps_total"]
+    assert steps == samples["cbserve_executor_step_duration_seconds_count"] and steps in (9, 10)
+    assert samples["cbserve_executor_step_tokens_sum"] == 4 * 2 + 2 + 4
+    assert samples["cbserve_executor_sequences"] == 0

@@ -142,6 +142,7 @@ def _pressure_run(server, reference) -> tuple[float, float]:
     assert outputs(res) == reference
     m1 = wait_idle(server)
     assert m1["cbserve_num_requests_swapped"] == 0
+    assert m1["cbserve_swap_usage_ratio"] == 0  # host blocks returned too
     return (m1["cbserve_num_preemptions_total"] - m0["cbserve_num_preemptions_total"],
             m1["cbserve_num_swaps_total"] - m0["cbserve_num_swaps_total"])
 
@@ -226,7 +227,10 @@ def test_sighup_switches_policy_mid_run_without_losing_requests(big):
         assert "error" not in r, r.get("error")
         assert r["finish"] == gpb.LENGTH and len(r["ids"]) == 40 + i == r["usage"].completion_tokens
     assert policy_of(big) == "priority"
-    wait_idle(big)
+    m = wait_idle(big)
+    # The per-policy queue gauges follow the reload; the old policy's series are gone.
+    assert m["cbserve_queue_requests{policy=priority,queue=waiting}"] == 0
+    assert not any("policy=fcfs" in k for k in m)
 
 
 def test_sighup_with_invalid_config_is_refused(big):
