@@ -63,7 +63,7 @@ def test_large_batch_parallel():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_then_attention_reads_what_was_written(dtype):
-    from conftest import reference
+    from tests.native.helpers import reference
 
     hkv, d, bs = 2, 64, 16
     kc = torch.zeros(8, bs, hkv, d, dtype=dtype)

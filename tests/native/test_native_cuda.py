@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import ROOT, make_batch, reference, tolerance
+from tests.native.helpers import ROOT, make_batch, reference, tolerance
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

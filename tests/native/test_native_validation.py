@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_batch
+from tests.native.helpers import make_batch
 
 import native
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.block_manager import BlockManager
-from router_factories import FIRST_TOKEN, assert_blocks_empty, make_request
+from tests.router.router_factories import FIRST_TOKEN, assert_blocks_empty, make_request
 
 BS = 4
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from router.block_manager import BlockManager
-from router_factories import FIRST_TOKEN, assert_blocks_empty, make_request
+from tests.router.router_factories import FIRST_TOKEN, assert_blocks_empty, make_request
 
 # A tiny alphabet so that independently drawn prompts share prefixes too.
 tokens = st.lists(st.integers(FIRST_TOKEN, FIRST_TOKEN + 2), min_size=1, max_size=14)

@@ -5,7 +5,7 @@ one release path. Every test ends with assert_scheduler_empty()."""
 from __future__ import annotations
 
 from router.request import Finish, Status
-from router_factories import (EOS, FakeExecutor, assert_scheduler_empty, create_requests,
+from tests.router.router_factories import (EOS, FakeExecutor, assert_scheduler_empty, create_requests,
                               create_scheduler, make_request, run_to_completion, step)
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.request import Status
-from router_factories import (FakeExecutor, assert_scheduler_empty, create_scheduler, make_request,
+from tests.router.router_factories import (FakeExecutor, assert_scheduler_empty, create_scheduler, make_request,
                               run_to_completion, token_for)
 
 POLICIES = ["fcfs", "sjf", "priority", "static", "dynamic"]
