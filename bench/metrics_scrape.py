@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any

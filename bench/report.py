@@ -9,7 +9,6 @@ PNGs next to it and returns the markdown path.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Iterable
 

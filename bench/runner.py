@@ -13,8 +13,6 @@ import json
 import math
 import os
 import subprocess
-import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path

@@ -11,10 +11,8 @@ Full (--full): 64 prompts, caps 32 / 128 / 512, bf16 and fp32, more rates.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
@@ -106,7 +104,7 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
               budget_min: float | None = None) -> dict[str, Any]:
     from bench.hf_export import export_smollm2_hf
     from bench.report import render_report
-    from bench.runner import decode_rate, run_cbserve, run_system, vllm_available
+    from bench.runner import decode_rate, run_system, vllm_available
 
     cfg = dict(FULL if full else REDUCED)
     n = num_requests or cfg["num_requests"]

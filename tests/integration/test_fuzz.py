@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import time
 
 import grpc
 import pytest

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import threading
+import time
 
 import grpc
 import pytest
@@ -334,9 +335,14 @@ def test_executor_process_serves_its_own_metrics():
         with server.channel() as ch:
             for n in (3, 5):
                 stub(ch).Complete(gen_request([5, 6, 7, 8], max_new=n))
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
-        samples = {s.name: s.value for f in fams.values() for s in f.samples}
+        end = time.monotonic() + 10
+        while True:  # the plan freeing the last request's state follows its final token
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+            samples = {s.name: s.value for f in fams.values() for s in f.samples}
+            if samples["cbserve_executor_sequences"] == 0 or time.monotonic() > end:
+                break
+            time.sleep(0.1)
     finally:
         server.stop()
     assert samples["cbserve_executor_sampled_tokens_total"] == 8
