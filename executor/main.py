@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                  dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
                  block_size=cache.block_size, backend=args.attention_backend,
                  threads=torch.get_num_threads())
-    wait_forever(server, health)
+    wait_forever(server, health, service.worker)
     return 0
 
 

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     serve.add_argument("--attention-backend", default="native", choices=["native", "torch"])
     serve.add_argument("--executor-threads", type=int, default=0,
-                       help="torch threads of the executor (0 = all cores but one, left to the router)")
+                       help="torch threads of the executor (0 = one per core)")
     serve.add_argument("--executor-metrics-port", type=int, default=0,
                        help="Prometheus port of the executor process (0 = off)")
     router = sub.add_parser("router", help="start the router alone")

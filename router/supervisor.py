@@ -19,18 +19,6 @@ from router.main import apply_overrides, run_router
 _LOGGER = structlog.get_logger(__name__)
 
 
-def default_executor_threads() -> int:
-    """All cores but one: the router shares this machine. Measured on 2 cores
-    (SmolLM2, 64 x 128/128): one executor thread gave 550 tok/s, two gave
-    468, because torch's OpenMP barriers stall whenever the router takes a
-    core mid-step."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
-
-
 class ExecutorProcess:
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
@@ -80,7 +68,7 @@ async def _serve(args) -> int:
         sock = os.path.join(tempfile.gettempdir(), f"cbserve-{os.getpid()}", "executor.sock")
         cfg.executor.address = f"unix://{sock}"
     exe_argv = ["--model", args.model, "--dtype", args.dtype, "--listen", cfg.executor.address,
-                "--attention-backend", args.attention_backend, "--threads", str(args.executor_threads or default_executor_threads()),
+                "--attention-backend", args.attention_backend, "--threads", str(args.executor_threads),
                 "--metrics-port", str(args.executor_metrics_port)]
     if args.config:
         exe_argv += ["--config", args.config]
