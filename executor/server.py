@@ -64,7 +64,6 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self._lock = threading.Lock()  # one step at a time
         # Steps run on the process's main thread (see MainThreadWorker).
         self.worker = MainThreadWorker()
-        self.steps = 0
 
     def Describe(self, request, context):
         r = self.runner
@@ -93,7 +92,6 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 _LOGGER.warning("rejected plan", step_id=request.step_id, error=str(exc))
                 self.metrics.rejected_plans.inc()
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.steps += 1
             m = self.metrics
             m.steps.inc()
             m.step_seconds.observe(out.step_seconds)

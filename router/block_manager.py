@@ -203,19 +203,21 @@ class BlockManager:
         call twice."""
         table = self._tables.pop(req.request_id, None)
         if table is not None:
-            # Tail blocks first into the queue so they are evicted first.
-            for bid in reversed(table.block_ids):
-                blk = self._blocks[bid]
-                blk.ref_count -= 1
-                if blk.ref_count == 0:
-                    if blk.block_hash is None:
-                        self._free[bid] = None
-                        self._free.move_to_end(bid, last=False)  # uncached: reuse first
-                    else:
-                        self._free[bid] = None
+            self._release(table)
         host = self._swapped.pop(req.request_id, None)
         if host:
             self._swap_free.extend(host)
+
+    def _release(self, table: _Table) -> None:
+        """Drops one reference to each block of a table that left _tables."""
+        # Tail blocks first into the queue, so they are evicted first.
+        for bid in reversed(table.block_ids):
+            blk = self._blocks[bid]
+            blk.ref_count -= 1
+            if blk.ref_count == 0:
+                self._free[bid] = None
+                if blk.block_hash is None:
+                    self._free.move_to_end(bid, last=False)  # nothing cached: reuse first
 
     # -- swap ---------------------------------------------------------------
     def can_swap_out(self, req: Request) -> bool:
@@ -227,12 +229,7 @@ class BlockManager:
         table = self._tables[req.request_id]
         pairs = [(bid, self._swap_free.pop()) for bid in table.block_ids]
         self._swapped[req.request_id] = [h for _, h in pairs]
-        saved = self._tables.pop(req.request_id)
-        for bid in reversed(saved.block_ids):
-            blk = self._blocks[bid]
-            blk.ref_count -= 1
-            if blk.ref_count == 0:
-                self._free[bid] = None
+        self._release(self._tables.pop(req.request_id))
         return pairs
 
     def num_swapped_blocks(self, req: Request) -> int:
