@@ -188,6 +188,32 @@ static inline void dec_pv_simple(const float* P, int64_t ldp, int64_t M, const c
   }
 }
 
+// Online-softmax update of one score row s[0, ncols) (ncols a multiple of
+// V::W, masked entries -inf): exponentiates s in place against the new running
+// max m, folds the row's sum into l, and rescales the accumulator row acc[0, DP).
+static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& l, float* acc, int64_t DP) {
+  const float ninf = -__builtin_inff();
+  typename V::R mx = V::set1(ninf);
+  for (int64_t c = 0; c < ncols; c += V::W) mx = V::max(mx, V::load(s + c));
+  const float bmax = V::hmax(mx);
+  const float m_old = m;
+  const float m_new = bmax > m_old ? bmax : m_old;
+  const typename V::R mv = V::set1(m_new);
+  typename V::R sum = V::zero();
+  for (int64_t c = 0; c < ncols; c += V::W) {
+    const typename V::R e = V::exp(V::sub(V::load(s + c), mv));
+    V::store(s + c, e);
+    sum = V::add(sum, e);
+  }
+  const float corr = m_old == ninf ? 0.f : __builtin_expf(m_old - m_new);
+  l = l * corr + V::hsum(sum);
+  m = m_new;
+  if (corr != 1.f) {
+    const typename V::R cv = V::set1(corr);
+    for (int64_t d = 0; d < DP; d += V::W) V::store(acc + d, V::mul(V::load(acc + d), cv));
+  }
+}
+
 static inline void prefetch_row(const char* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
@@ -275,26 +301,7 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
         for (int64_t t = 0; t < ncols; ++t) s[t] = 0.f;
         continue;
       }
-      typename V::R mx = V::set1(ninf);
-      for (int64_t c = 0; c < ncols; c += V::W) mx = V::max(mx, V::load(s + c));
-      const float bmax = V::hmax(mx);
-      const float m_old = mrow[r];
-      const float m_new = bmax > m_old ? bmax : m_old;
-      const typename V::R mv = V::set1(m_new);
-      typename V::R sum = V::zero();
-      for (int64_t c = 0; c < ncols; c += V::W) {
-        const typename V::R e = V::exp(V::sub(V::load(s + c), mv));
-        V::store(s + c, e);
-        sum = V::add(sum, e);
-      }
-      const float corr = m_old == ninf ? 0.f : __builtin_expf(m_old - m_new);
-      lrow[r] = lrow[r] * corr + V::hsum(sum);
-      mrow[r] = m_new;
-      if (corr != 1.f) {
-        float* a = Acc + r * DP;
-        const typename V::R cv = V::set1(corr);
-        for (int64_t d = 0; d < DP; d += V::W) V::store(a + d, V::mul(V::load(a + d), cv));
-      }
+      online_softmax_row(s, ncols, mrow[r], lrow[r], Acc + r * DP, DP);
     }
     // P.V, streaming V rows.
     CB_DEC_PV(S, CH, M, vc, offs, n, dtype, D, Acc, DP, tmp);
@@ -408,26 +415,7 @@ static void attn_item_impl(const AttnParams& p, const AttnItem& it, float* scrat
       nv[r] = static_cast<int32_t>(vis);
       float* s = S + r * NP;
       for (int64_t t = vis; t < ncols; ++t) s[t] = ninf;
-      typename V::R mx = V::set1(ninf);
-      for (int64_t c = 0; c < ncols; c += V::W) mx = V::max(mx, V::load(s + c));
-      const float bmax = V::hmax(mx);
-      const float m_old = mrow[r];
-      const float m_new = bmax > m_old ? bmax : m_old;
-      const typename V::R mv = V::set1(m_new);
-      typename V::R sum = V::zero();
-      for (int64_t c = 0; c < ncols; c += V::W) {
-        const typename V::R e = V::exp(V::sub(V::load(s + c), mv));
-        V::store(s + c, e);
-        sum = V::add(sum, e);
-      }
-      const float corr = m_old == ninf ? 0.f : __builtin_expf(m_old - m_new);
-      lrow[r] = lrow[r] * corr + V::hsum(sum);
-      mrow[r] = m_new;
-      if (corr != 1.f) {
-        float* a = Acc + r * DP;
-        const typename V::R cv = V::set1(corr);
-        for (int64_t d = 0; d < DP; d += V::W) V::store(a + d, V::mul(V::load(a + d), cv));
-      }
+      online_softmax_row(s, ncols, mrow[r], lrow[r], Acc + r * DP, DP);
     }
 
     if (direct_v) {
