@@ -177,6 +177,11 @@ def plot_throughput_vs_cap(runs: list[dict], path: Path) -> Path:
     ax.set_xlabel("generation cap (tokens)")
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput vs generation cap")
+    return _save(fig, ax, path)
+
+
+def _save(fig, ax, path):
+    """Grid, legend, layout; writes the PNG and frees the figure."""
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -233,12 +238,7 @@ def plot_latency_vs_rate(sweep: list[dict], path: Path) -> Path:
     ax.set_ylabel("latency (s)")
     ax.set_yscale("log")
     ax.set_title("Latency vs arrival rate")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 # ---------------------------------------------------------------- document
