@@ -26,6 +26,7 @@ except ImportError as exc:  # pragma: no cover - torch is installed first by `ma
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("native", "csrc")
+LINK_FLAGS = ["-fopenmp"]
 
 
 def _want_cuda() -> bool:
@@ -40,7 +41,10 @@ def _want_cuda() -> bool:
 
 def _ext_modules():
     cpp = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+    # -fopenmp: at::parallel_for is an OpenMP region compiled into *this*
+    # library; without the flag it silently runs on one thread. The extension
+    # then shares torch's own libgomp (same soname, already loaded).
+    cxx_flags = ["-O3", "-std=c++17", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas", "-fopenmp"]
     # No -march=native: the AVX2/AVX-512 code is compiled with function-level
     # target attributes and chosen at run time (see native/csrc/ops.cpp).
     if _want_cuda():
@@ -55,16 +59,17 @@ def _ext_modules():
                 cpp + cu,
                 define_macros=[("CBSERVE_WITH_CUDA", "1")],
                 extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", *gencode]},
+                extra_link_args=LINK_FLAGS,
             ),
             _fused(cxx_flags),
         ]
-    return [CppExtension("native._C", cpp, extra_compile_args={"cxx": cxx_flags}), _fused(cxx_flags)]
+    return [CppExtension("native._C", cpp, extra_compile_args={"cxx": cxx_flags}, extra_link_args=LINK_FLAGS), _fused(cxx_flags)]
 
 
 def _fused(cxx_flags):
     """native._fused: RMSNorm and SiLU-and-mul for the CPU executor."""
     src = sorted(glob.glob(os.path.join(CSRC, "fused", "*.cpp")))
-    return CppExtension("native._fused", src, extra_compile_args={"cxx": cxx_flags})
+    return CppExtension("native._fused", src, extra_compile_args={"cxx": cxx_flags}, extra_link_args=LINK_FLAGS)
 
 
 # BuildExtension compiles with ninja (parallel, incremental) when the `ninja`
