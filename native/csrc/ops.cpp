@@ -250,7 +250,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 }
 
 // ------------------------------------------------------------ paged_attention ---
-constexpr int64_t kTargetRows = 96;  // query rows (tokens x group heads) per work item
+constexpr int64_t kTargetRows = 192;  // query rows (tokens x group heads) per work item
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
