@@ -49,7 +49,7 @@ def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
                  num_swap_blocks: int = 0, attention_backend: str = "native",
-                 prepack: bool = True) -> None:
+                 prepack: bool = True, lean_forward: bool = True) -> None:
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -64,6 +64,13 @@ class ModelRunner:
 
             fuse_llama_blocks(model)
             prepack_linears(model)
+        # bf16 Llama on AVX-512 bf16: eight calls per layer instead of the
+        # transformers layer code (executor/fast_forward.py); None elsewhere.
+        self.lean = None
+        if prepack and lean_forward:
+            from executor import fast_forward
+
+            self.lean = fast_forward.build(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                                       block_size, self.dtype)
@@ -163,11 +170,14 @@ class ModelRunner:
             reshape_and_cache=self.ops[0],
             paged_attention=self.ops[1],
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev).unsqueeze(0)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev).unsqueeze(0)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         tf = time.perf_counter()
-        hidden = self.model.model(input_ids=ids_t, position_ids=pos_t, use_cache=False,
-                                  cb_meta=meta).last_hidden_state[0]
+        if self.lean is not None:
+            hidden = self.lean(ids_t, pos_t, meta)
+        else:
+            hidden = self.model.model(input_ids=ids_t.unsqueeze(0), position_ids=pos_t.unsqueeze(0),
+                                      use_cache=False, cb_meta=meta).last_hidden_state[0]
         for _, n, st in scheduled:
             st.num_computed += n
         tokens: list[int] = []

@@ -54,3 +54,65 @@ def test_fast_paths_match_stock_modules_in_bf16():
     assert [g[:3] for g in got] == [r[:3] for r in ref]
     agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
     assert agree >= 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_split_is_bit_exact_with_transformers(dtype):
+    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    import native._fused as fused
+
+    torch.manual_seed(0)
+    T, hq, hkv, D = 37, 9, 3, 64
+    cfg = LlamaConfig(hidden_size=hq * D, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=D,
+                      rope_theta=100000.0)
+    qkv = torch.randn(T, (hq + 2 * hkv) * D).to(dtype)
+    cos, sin = LlamaRotaryEmbedding(cfg)(qkv, (torch.arange(T) * 7 + 3)[None])
+    q, k, v = fused.rope_split(qkv, cos[0].contiguous(), sin[0].contiguous(), hq, hkv, D)
+    q_ref, k_ref = apply_rotary_pos_emb(qkv[:, : hq * D].view(1, T, hq, D).transpose(1, 2),
+                                        qkv[:, hq * D:(hq + hkv) * D].view(1, T, hkv, D).transpose(1, 2), cos, sin)
+    assert torch.equal(q, q_ref[0].transpose(0, 1))
+    assert torch.equal(k, k_ref[0].transpose(0, 1))
+    assert torch.equal(v, qkv[:, (hq + hkv) * D:].view(T, hkv, D))
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        fused.rope_split(qkv[:, 1:].contiguous(), cos[0].contiguous(), sin[0].contiguous(), hq, hkv, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_matches_residual_add_then_llama_rmsnorm(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    import native._fused as fused
+
+    torch.manual_seed(1)
+    x, res = torch.randn(19, 576).to(dtype), torch.randn(19, 576).to(dtype)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))
+    want_res = res + x
+    want = norm(want_res)
+    got = fused.add_rms_norm(x, res, norm.weight.detach(), 1e-5)
+    assert torch.equal(res, want_res)  # updated in place
+    if dtype == torch.bfloat16:  # the executor's case: bit-exact
+        assert torch.equal(got, want)
+    else:  # portable loop: its own fp32 summation order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="same shape"):
+        fused.add_rms_norm(x[:3].contiguous(), res, norm.weight.detach(), 1e-5)
+
+
+@needs_bf16
+def test_lean_forward_runs_in_bf16_and_matches_the_transformers_forward():
+    prompts = [[(7 * i + 5 * L) % 250 + 3 for i in range(L)] for L in (1, 9, 40, 70)]
+    lean = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
+    hf = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
+                     lean_forward=False)
+    assert lean.lean is not None and hf.lean is None
+    got, ref = _greedy(lean, prompts, 12), _greedy(hf, prompts, 12)
+    # Same weights and rounding points; only the fused q|k|v matmul may block
+    # its reduction differently from three separate ones.
+    assert [g[:3] for g in got] == [r[:3] for r in ref]
+    agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
+    assert agree >= 0.9
+    f32 = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.float32), 16, 64)
+    assert f32.lean is None  # fp32 keeps the transformers forward (the parity tests' reference)

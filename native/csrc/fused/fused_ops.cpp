@@ -12,6 +12,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <tuple>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -68,6 +70,56 @@ void silu_mul_rows(T* out, const T* gu, int64_t rows, int64_t inter) {
         T s = static_cast<T>(gf / (1.f + std::exp(-gf)));  // act_fn(gate) in the model dtype
         o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
       }
+    }
+  });
+}
+
+// residual += x (rounded to T, as `residual + hidden_states` in the model
+// dtype), then out = RMSNorm(residual).
+template <typename T>
+void add_rms_norm_rows(T* out, const T* x, T* res, const T* w, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* rr = res + r * h;
+      const T* xr = x + r * h;
+      for (int64_t i = 0; i < h; ++i) rr[i] = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+    }
+  });
+  rms_norm_rows<T>(out, res, w, rows, h, eps);
+}
+
+// Rotary embedding (rotate-half form) on the q and k heads of a fused
+// [T, (Hq + 2 Hkv) * D] projection, split into contiguous q / k / v:
+//   y[:D/2] = x1*cos[:D/2] - x2*sin[:D/2],  y[D/2:] = x2*cos[D/2:] + x1*sin[D/2:]
+// each product and the sum rounded to T, as `q * cos + rotate_half(q) * sin`.
+template <typename T>
+inline void rope_row(T* y, const T* x, const T* c, const T* s, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+    const T a = static_cast<T>(x1 * static_cast<float>(c[i]));
+    const T b = static_cast<T>(-x2 * static_cast<float>(s[i]));
+    y[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+    const T e = static_cast<T>(x2 * static_cast<float>(c[half + i]));
+    const T f = static_cast<T>(x1 * static_cast<float>(s[half + i]));
+    y[half + i] = static_cast<T>(static_cast<float>(e) + static_cast<float>(f));
+  }
+}
+
+template <typename T>
+void rope_split_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v, int64_t rows, int64_t hq,
+                     int64_t hkv, int64_t D) {
+  const int64_t width = (hq + 2 * hkv) * D;
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      const T* src = qkv + t * width;
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t h = 0; h < hq; ++h) rope_row<T>(q + (t * hq + h) * D, src + h * D, c, s, D);
+      for (int64_t h = 0; h < hkv; ++h) rope_row<T>(k + (t * hkv + h) * D, src + (hq + h) * D, c, s, D);
+      const T* vs = src + (hq + hkv) * D;
+      T* vd = v + t * hkv * D;
+      for (int64_t i = 0; i < hkv * D; ++i) vd[i] = vs[i];
     }
   });
 }
@@ -164,6 +216,58 @@ CB_AVX512 void silu_mul_bf16_rows(c10::BFloat16* out, const c10::BFloat16* gu, i
 void silu_mul_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* gu, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { silu_mul_bf16_rows(out, gu, r0, r1, inter); });
 }
+
+CB_AVX512 inline __mmask16 lanes(int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+}
+
+CB_AVX512 void add_rows_bf16(c10::BFloat16* res, const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t h) {
+  for (int64_t r = r0; r < r1; ++r) {
+    c10::BFloat16* rr = res + r * h;
+    const c10::BFloat16* xr = x + r * h;
+    for (int64_t i = 0; i < h; i += 16) {
+      const __mmask16 m = lanes(h - i);
+      store_bf16(rr + i, _mm512_add_ps(load_bf16_masked(rr + i, m), load_bf16_masked(xr + i, m)), m);
+    }
+  }
+}
+
+void add_rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, c10::BFloat16* res,
+                              const c10::BFloat16* w, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    add_rows_bf16(res, x, r0, r1, h);
+    rms_norm_bf16_rows(out, res, w, r0, r1, h, eps);
+  });
+}
+
+CB_AVX512 void rope_row_bf16(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16* c,
+                             const c10::BFloat16* s, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = lanes(half - i);
+    const __m512 x1 = load_bf16_masked(x + i, m), x2 = load_bf16_masked(x + half + i, m);
+    const __m512 a = round_bf16(_mm512_mul_ps(x1, load_bf16_masked(c + i, m)));
+    const __m512 b = round_bf16(_mm512_mul_ps(x2, load_bf16_masked(s + i, m)));
+    store_bf16(y + i, _mm512_sub_ps(a, b), m);
+    const __m512 e = round_bf16(_mm512_mul_ps(x2, load_bf16_masked(c + half + i, m)));
+    const __m512 f = round_bf16(_mm512_mul_ps(x1, load_bf16_masked(s + half + i, m)));
+    store_bf16(y + half + i, _mm512_add_ps(e, f), m);
+  }
+}
+
+CB_AVX512 void rope_split_bf16_rows(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin,
+                                    c10::BFloat16* q, c10::BFloat16* k, c10::BFloat16* v, int64_t r0, int64_t r1,
+                                    int64_t hq, int64_t hkv, int64_t D) {
+  const int64_t width = (hq + 2 * hkv) * D;
+  for (int64_t t = r0; t < r1; ++t) {
+    const c10::BFloat16* src = qkv + t * width;
+    const c10::BFloat16* c = cos + t * D;
+    const c10::BFloat16* s = sin + t * D;
+    for (int64_t h = 0; h < hq; ++h) rope_row_bf16(q + (t * hq + h) * D, src + h * D, c, s, D);
+    for (int64_t h = 0; h < hkv; ++h) rope_row_bf16(k + (t * hkv + h) * D, src + (hq + h) * D, c, s, D);
+    std::memcpy(v + t * hkv * D, src + (hq + hkv) * D, sizeof(c10::BFloat16) * hkv * D);
+  }
+}
 #endif  // CB_X86
 
 }  // namespace
@@ -220,10 +324,91 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+// residual += x (in place, in the model dtype); returns RMSNorm(residual).
+//   x, residual [..., H] same shape/dtype, contiguous; weight [H]
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                           double eps) {
+  check_row_major(x, "x");
+  check_row_major(residual, "residual");
+  check_row_major(weight, "weight");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [H] with H = x.size(-1)");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type(),
+              "x, residual and weight must share a dtype");
+  auto out = torch::empty_like(x);
+  const int64_t h = x.size(-1);
+  const int64_t rows = h ? x.numel() / h : 0;
+  if (rows == 0) return out;
+#if CB_X86
+  if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    add_rms_norm_bf16_avx512(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                             residual.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), rows, h,
+                             static_cast<float>(eps));
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                                weight.data_ptr<scalar_t>(), rows, h, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Rotary embedding on a fused QKV projection, split into contiguous heads.
+//   qkv      [T, (Hq + 2 Hkv) * D] contiguous (q heads, then k, then v)
+//   cos, sin [T, D] same dtype (the model's rotary table at each token's position)
+// returns (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]), rotary applied to q and k.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Tensor& cos,
+                                                                   const torch::Tensor& sin, int64_t hq, int64_t hkv,
+                                                                   int64_t head_dim) {
+  check_row_major(qkv, "qkv");
+  check_row_major(cos, "cos");
+  check_row_major(sin, "sin");
+  TORCH_CHECK(hq > 0 && hkv > 0 && head_dim > 0 && head_dim % 2 == 0,
+              "need positive head counts and an even head_dim");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * head_dim, "qkv must be [T, (Hq + 2 Hkv) * D]");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
+              "cos and sin must be [T, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "qkv, cos and sin must share a dtype");
+  auto q = torch::empty({T, hq, head_dim}, qkv.options());
+  auto k = torch::empty({T, hkv, head_dim}, qkv.options());
+  auto v = torch::empty({T, hkv, head_dim}, qkv.options());
+  if (T == 0) return {q, k, v};
+#if CB_X86
+  if (qkv.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    using B = c10::BFloat16;
+    const B* src = qkv.data_ptr<B>();
+    const B* c = cos.data_ptr<B>();
+    const B* s = sin.data_ptr<B>();
+    B* qp = q.data_ptr<B>();
+    B* kp = k.data_ptr<B>();
+    B* vp = v.data_ptr<B>();
+    at::parallel_for(0, T, 8, [&](int64_t r0, int64_t r1) {
+      rope_split_bf16_rows(src, c, s, qp, kp, vp, r0, r1, hq, hkv, head_dim);
+    });
+    return {q, k, v};
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_split", [&] {
+    rope_split_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                              q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), T, hq, hkv,
+                              head_dim);
+  });
+  return {q, k, v};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cbserve fused element-wise ops (CPU)";
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
         "RMSNorm over the last dim with Hugging Face Llama rounding; returns a new tensor.");
   m.def("silu_and_mul", &silu_and_mul, py::arg("gate_up"),
         "silu(gate) * up for gate_up = [gate | up] on the last dim; returns a new tensor.");
+  m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+        "residual += x in place (model dtype), then RMSNorm(residual) as a new tensor.");
+  m.def("rope_split", &rope_split, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_q_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"),
+        "Rotary embedding (rotate-half) on q and k of a fused [T, (Hq+2Hkv)*D] projection; returns "
+        "contiguous (q, k, v).");
 }

@@ -1,0 +1,131 @@
+"""A lean forward of the Llama decoder stack for the bf16 CPU executor.
+
+The transformers layer code costs about 25 ATen/Python calls per layer:
+separate q/k/v projections, rotary embedding as six element-wise ops on each
+of q and k, transposes to and from the attention layout, and residual adds.
+At decode sizes these calls, not the arithmetic, are a large part of a step.
+This forward runs the same weights in eight calls per layer:
+
+    h  = add_rms_norm(x, residual)        # residual += x; RMSNorm
+    qkv = qkv_proj(h)                     # one prepacked matmul for q, k and v
+    q, k, v = rope_split(qkv, cos, sin)   # rotary on q/k, contiguous heads
+    reshape_and_cache(k, v); paged_attention(q)
+    o  = o_proj(attn)
+    h  = add_rms_norm(o, residual)
+    x  = mlp(h)                           # FusedMLP: gate|up matmul, SiLU-mul, down
+
+with the rounding points of the Hugging Face modules (every bf16 product and
+sum rounded where the model's code rounds it), so its greedy output matches
+the transformers forward. Used only where `fuse_llama_blocks` applied (bf16 on
+AVX-512 bf16 CPUs) and the model is a plain Llama; otherwise the runner calls
+the transformers model with the registered paged-attention function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from executor.attention import AttnMetadata
+from executor.fused_modules import FusedMLP, FusedRMSNorm
+from executor.packed_linear import PackedLinear
+
+_LOGGER = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Layer:
+    index: int
+    in_norm: FusedRMSNorm
+    post_norm: FusedRMSNorm
+    qkv: PackedLinear
+    o_proj: torch.nn.Module
+    mlp: FusedMLP
+    scale: float
+
+
+def _fused_qkv(attn: torch.nn.Module) -> PackedLinear:
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    has_bias = [p.bias is not None for p in projs]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("q/k/v projections disagree on bias")
+    w = torch.cat([p.weight.detach() for p in projs], 0)
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=all(has_bias), dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if all(has_bias):
+            lin.bias.copy_(torch.cat([p.bias.detach() for p in projs], 0))
+    return PackedLinear(lin)
+
+
+class LeanLlamaForward:
+    def __init__(self, model: torch.nn.Module) -> None:
+        import native._fused as fused
+
+        cfg = model.config
+        self._add_rms_norm = fused.add_rms_norm
+        self._rope_split = fused.rope_split
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.final_norm: FusedRMSNorm = inner.norm
+        self.hq = cfg.num_attention_heads
+        self.hkv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layers = [
+            _Layer(i, layer.input_layernorm, layer.post_attention_layernorm, _fused_qkv(layer.self_attn),
+                   layer.self_attn.o_proj, layer.mlp, float(layer.self_attn.scaling))
+            for i, layer in enumerate(inner.layers)
+        ]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, H]."""
+        residual = self.embed(input_ids)
+        cos, sin = self.rotary(residual, positions.unsqueeze(0))
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cache = meta.kv_cache
+        x = None
+        T = residual.shape[0]
+        for L in self.layers:
+            if x is None:
+                h = L.in_norm(residual)
+            else:
+                h = self._add_rms_norm(x, residual, L.in_norm.weight, L.in_norm.eps)
+            q, k, v = self._rope_split(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim)
+            kc, vc = cache.key[L.index], cache.value[L.index]
+            meta.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+            attn = torch.empty_like(q)
+            meta.paged_attention(attn, q, kc, vc, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, L.scale)
+            o = L.o_proj(attn.view(T, self.hq * self.head_dim))
+            h = self._add_rms_norm(o, residual, L.post_norm.weight, L.post_norm.eps)
+            x = L.mlp(h)
+        if x is None:
+            return self.final_norm(residual)
+        return self._add_rms_norm(x, residual, self.final_norm.weight, self.final_norm.eps)
+
+
+def build(model: torch.nn.Module) -> LeanLlamaForward | None:
+    """The lean forward for `model`, or None where it does not apply (the
+    runner then uses the transformers forward)."""
+    inner = getattr(model, "model", None)
+    if getattr(model.config, "model_type", None) != "llama" or inner is None:
+        return None
+    layers = getattr(inner, "layers", [])
+    if not layers or not isinstance(inner.norm, FusedRMSNorm):
+        return None
+    for layer in layers:
+        attn = layer.self_attn
+        if not (isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.post_attention_layernorm,
+                                                                               FusedRMSNorm)
+                and isinstance(layer.mlp, FusedMLP)
+                and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))):
+            return None
+    try:
+        fwd = LeanLlamaForward(model)
+    except (ImportError, AttributeError, ValueError) as exc:
+        _LOGGER.warning("lean forward unavailable; using the transformers forward", error=str(exc))
+        return None
+    _LOGGER.info("lean decoder forward", layers=len(fwd.layers))
+    return fwd
