@@ -239,7 +239,9 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
     results["notes"].append(f"Suite wall time: {results['suite_seconds'] / 60:.1f} min. Raw per-request records: "
                             f"{results_dir.relative_to(REPO) if results_dir.is_relative_to(REPO) else results_dir}.")
     (results_dir / "results.json").write_text(json.dumps(results, default=str))
-    md = render_report(results, out_dir)
+    # The full experiment gets its own page so `make bench` does not overwrite it.
+    md = render_report(results, out_dir, md_name="benchmarks-full.md" if full else "benchmarks.md",
+                       plot_prefix="bench_full_" if full else "bench_")
     # Keep the committed JSON small: summaries only.
     slim = dict(results, runs=[_slim(r, False) for r in results["runs"]],
                 rate_sweep=[_slim(r, False) for r in results.get("rate_sweep", [])])

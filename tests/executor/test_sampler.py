@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from executor.sampler import SamplingParams, sample
@@ -82,3 +83,19 @@ def test_non_finite_distribution_falls_back_to_greedy_for_that_row_only():
                      [None, None], [0, 0])
     assert toks[0] == 5
     assert toks[1] == sample(x[1:], [SamplingParams(temperature=1.0, seed=2)], [None], [0])[0][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_greedy_matches_torch_max_with_ties_inf_and_nan(dtype):
+    from executor.sampler import greedy_tokens
+
+    torch.manual_seed(3)
+    x = torch.randn(11, 49152).to(dtype)
+    x[1, 100] = x[1, 200] = 50.0  # tie: the first index wins
+    x[2, -1] = 99.0  # in the vector tail
+    x[3] = float("-inf")
+    x[4, 777] = float("nan")  # NaN counts as the maximum, as in torch.max
+    x[5, 0] = 1e4
+    assert greedy_tokens(x) == x.max(dim=-1).indices.tolist()
+    odd = torch.randn(3, 37).to(dtype)  # vocab not a multiple of the vector width
+    assert greedy_tokens(odd) == odd.max(dim=-1).indices.tolist()

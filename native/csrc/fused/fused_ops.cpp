@@ -124,6 +124,20 @@ void rope_split_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v,
   });
 }
 
+// First index of each row's maximum; NaN counts as the maximum (as torch.max).
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  int64_t best = 0;
+  float bv = static_cast<float>(x[0]);
+  if (std::isnan(bv)) return 0;
+  for (int64_t i = 1; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > bv) bv = v, best = i;
+  }
+  return best;
+}
+
 #if CB_X86
 // ---- AVX-512 bf16 ------------------------------------------------------------
 #define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -268,6 +282,30 @@ CB_AVX512 void rope_split_bf16_rows(const c10::BFloat16* qkv, const c10::BFloat1
     std::memcpy(v + t * hkv * D, src + (hq + hkv) * D, sizeof(c10::BFloat16) * hkv * D);
   }
 }
+
+// Per lane: the first index of the lane's maximum (strictly greater replaces);
+// across lanes: the smallest index among lanes holding the row maximum.
+CB_AVX512 int64_t argmax_bf16_row(const c10::BFloat16* x, int64_t n) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 best = ninf;
+  __m512i bidx = _mm512_setzero_si512();
+  __m512i idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 v = _mm512_mask_blend_ps(m, ninf, load_bf16_masked(x + i, m));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (nan) return argmax_row<c10::BFloat16>(x, n);
+  const float mv = _mm512_reduce_max_ps(best);
+  const __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(mv), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(eq, bidx);
+}
 #endif  // CB_X86
 
 }  // namespace
@@ -399,12 +437,41 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::
   return {q, k, v};
 }
 
+// Greedy decoding: the first index of each row's maximum, as torch.max(dim=-1)
+// (NaN counts as the maximum), in one vectorised pass per row.
+//   x [N, V] contiguous -> int64 [N]
+torch::Tensor argmax(const torch::Tensor& x) {
+  check_row_major(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [N, V] with V > 0");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+#if CB_X86
+  if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    const c10::BFloat16* p = x.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) o[r] = argmax_bf16_row(p + r * n, n);
+    });
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) o[r] = argmax_row<scalar_t>(p + r * n, n);
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cbserve fused element-wise ops (CPU)";
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
         "RMSNorm over the last dim with Hugging Face Llama rounding; returns a new tensor.");
   m.def("silu_and_mul", &silu_and_mul, py::arg("gate_up"),
         "silu(gate) * up for gate_up = [gate | up] on the last dim; returns a new tensor.");
+  m.def("argmax", &argmax, py::arg("x"),
+        "First index of each row's maximum of a [N, V] tensor (NaN counts as the maximum), int64 [N].");
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         "residual += x in place (model dtype), then RMSNorm(residual) as a new tensor.");
   m.def("rope_split", &rope_split, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_q_heads"),
