@@ -22,6 +22,8 @@ _LOGGER = structlog.get_logger(__name__)
 
 # Plans for a full batch of long prompts are large; stay well above them.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# How long a plan that arrived early waits for its predecessor.
+PLAN_ORDER_TIMEOUT_S = 30.0
 
 
 class MainThreadWorker:
@@ -61,7 +63,13 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.model_name = model_name
         self.eos_ids = eos_ids
         self.instance_id = random.getrandbits(63)
-        self._lock = threading.Lock()  # one step at a time
+        # One step at a time, in step_id order: the router may send plan N+1
+        # while plan N runs (pipelined decode), and concurrent RPCs can reach
+        # the handlers in either order. Reset starts a new epoch: plans still
+        # waiting from before it are refused, never run on the new state.
+        self._order = threading.Condition()
+        self._next_step: int | None = None
+        self._epoch = 0
         # Steps run on the process's main thread (see MainThreadWorker).
         self.worker = MainThreadWorker()
 
@@ -85,7 +93,18 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         )
 
     def Step(self, request: pb.Plan, context):
-        with self._lock:
+        with self._order:
+            epoch = self._epoch
+            in_turn = self._order.wait_for(
+                lambda: self._epoch != epoch or self._next_step is None or request.step_id <= self._next_step,
+                timeout=PLAN_ORDER_TIMEOUT_S)
+            if self._epoch != epoch or not context.is_active():
+                context.abort(grpc.StatusCode.ABORTED, f"plan {request.step_id} dropped: state was reset")
+            if not in_turn:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"plan {request.step_id} waited {PLAN_ORDER_TIMEOUT_S}s for plan {self._next_step}")
+            self._next_step = request.step_id + 1
+            self._order.notify_all()
             try:
                 out = self.worker.call(self.runner.step, request)
             except (PlanError, KeyError, IndexError, ValueError) as exc:
@@ -109,8 +128,11 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         )
 
     def Reset(self, request, context):
-        with self._lock:
+        with self._order:
             self.worker.call(self.runner.reset)
+            self._epoch += 1
+            self._next_step = None
+            self._order.notify_all()
         _LOGGER.info("state reset")
         return pb.ResetResponse()
 

@@ -80,6 +80,9 @@ class SchedulerConfig:
     static_batch_size: int = 16
     # Dynamic batching: the longest a batch waits to fill up.
     dynamic_max_wait_ms: float = 50.0
+    # Steady-state decode: send the next plan while the current one runs, so
+    # the executor never waits for the router (see Scheduler.schedule_ahead).
+    pipeline_decode: bool = True
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -87,6 +88,7 @@ class Engine:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._step_id = 0
+        self._last_result_t = 0.0  # perf_counter of the last step result
         self._ready_callbacks: list[Callable[[bool], None]] = []
         self._seen: dict[int, int] = {}  # counter id -> scheduler total already exported
         self._gauge_policy = ""
@@ -202,41 +204,73 @@ class Engine:
             self._finish_handle(handle.req, Delta(finish=Finish.CANCELLED, error=(code, message)))
 
     async def _iterate_forever(self) -> None:
+        """Schedule, send, apply, stream. In steady-state decode the next plan
+        is sent before the current result is back (Scheduler.schedule_ahead),
+        so the executor does not sit idle through the round trip and the
+        router's own work (measured ~6 ms per step at batch 64 here)."""
         sched = self.scheduler
-        while not self._stop.is_set():
-            self._apply_aborts()
-            self._expire_deadlines()
-            if not sched.has_work():
-                self._update_gauges()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            if out.is_empty():
-                self._update_gauges()
-                wake_at = sched.policy.next_wakeup(time.monotonic(), sched.waiting)
-                timeout = 0.05 if wake_at is None else max(0.0, wake_at - time.monotonic())
-                self._wake.clear()
+        inflight: deque[tuple[asyncio.Task, SchedulerOutput, float]] = deque()
+        try:
+            while not self._stop.is_set():
+                if not inflight:
+                    self._apply_aborts()
+                    self._expire_deadlines()
+                    if not sched.has_work():
+                        self._update_gauges()
+                        self._wake.clear()
+                        await self._wake.wait()
+                        continue
+                    out = sched.schedule()
+                    if out.is_empty():
+                        self._update_gauges()
+                        wake_at = sched.policy.next_wakeup(time.monotonic(), sched.waiting)
+                        timeout = 0.05 if wake_at is None else max(0.0, wake_at - time.monotonic())
+                        self._wake.clear()
+                        try:
+                            await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                        except asyncio.TimeoutError:
+                            pass
+                        continue
+                    inflight.append(self._launch(out))
+                    self._launch_ahead(inflight)
+                    continue
+                task, out, t_launch = inflight.popleft()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            self._step_id += 1
-            if self.tracer is not None:
-                self._trace_plan(out)
-            plan = encode_plan(self._step_id, out)
-            try:
-                result = await self.client.step(plan)
-            except ValueError as exc:
-                # The executor refused the plan: a router bug. Fail what was in
-                # it and start both sides from a clean slate.
-                _LOGGER.error("plan rejected", error=str(exc))
-                raise ExecutorUnavailable(str(exc)) from exc
-            events = sched.update(out, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
-            self._emit(events, out)
-            self._observe(out, result, time.perf_counter() - t0)
+                    result = await task
+                except ValueError as exc:
+                    # The executor refused the plan: a router bug. Fail what was
+                    # in it and start both sides from a clean slate.
+                    _LOGGER.error("plan rejected", error=str(exc))
+                    raise ExecutorUnavailable(str(exc)) from exc
+                now = time.perf_counter()
+                events = sched.update(out, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+                self._emit(events, out)
+                # A step's share of the wall clock: from its launch, or from the
+                # previous result when it was sent ahead.
+                self._observe(out, result, now - max(t_launch, self._last_result_t))
+                self._last_result_t = now
+                if inflight:
+                    self._apply_aborts()
+                    self._expire_deadlines()
+                    self._launch_ahead(inflight)
+        finally:
+            for task, _, _ in inflight:
+                task.cancel()
+
+    def _launch(self, out: SchedulerOutput) -> tuple[asyncio.Task, SchedulerOutput, float]:
+        self._step_id += 1
+        if self.tracer is not None:
+            self._trace_plan(out)
+        plan = encode_plan(self._step_id, out)
+        return asyncio.ensure_future(self.client.step(plan)), out, time.perf_counter()
+
+    def _launch_ahead(self, inflight: deque) -> None:
+        """Sends the next plan now if the scheduler can plan it ahead."""
+        if not self.cfg.scheduler.pipeline_decode or self._aborts:
+            return
+        out = self.scheduler.schedule_ahead(inflight[-1][1])
+        if out is not None:
+            inflight.append(self._launch(out))
 
     def _apply_aborts(self) -> None:
         if not self._aborts:

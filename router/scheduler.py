@@ -292,6 +292,45 @@ class Scheduler:
             budget -= n
             admitted += 1
 
+    # -- one iteration ahead ---------------------------------------------------------
+    def schedule_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
+        """The iteration after `inflight`, planned while `inflight` still runs.
+
+        Only for the steady state that decode spends most of its time in:
+        nothing waiting or swapped, and `inflight` a pure decode of every
+        running request; then schedule() would plan one more decode token for
+        each of them, which needs no token values (the executor keeps them).
+        Each request is assumed to get its token from `inflight`: ones that
+        reach max_new_tokens or the context there are left out; ones that
+        turn out to end there (EOS, a stop string, an abort) compute one
+        token that update() ignores, and their blocks are only written by
+        steps already sent. Returns None when the state is anything else: the
+        caller waits for `inflight` and calls schedule()."""
+        if self.waiting or self.swapped or not self.running:
+            return None
+        if inflight.swap_in or inflight.swap_out or inflight.num_preempted:
+            return None
+        if len(self.running) > self.cfg.max_num_batched_tokens:
+            return None
+        decoding = {item.req.seq_id for item in inflight.seqs
+                    if item.num_tokens == 1 and not item.num_prompt_tokens and not item.is_new}
+        if len(decoding) != len(inflight.seqs) or any(r.seq_id not in decoding or not r.executor_has_state
+                                                      for r in self.running):
+            return None
+        ahead = [r for r in sorted(self.running, key=self.policy.running_key)
+                 if len(r.output_token_ids) + 1 < r.stopping.max_new_tokens and r.num_tokens + 1 < self.max_context]
+        # Blocks for one token past `inflight`'s; all or nothing (what was
+        # allocated stays pending and goes out with the next plan).
+        for req in ahead:
+            new = self.blocks.allocate(req, req.num_computed_tokens + 2)
+            if new is None:
+                return None
+            req.pending_block_ids.extend(new)
+        out = SchedulerOutput(free_seq_ids=self._to_free)
+        self._to_free = []
+        out.seqs = [self._item(req, 1) for req in ahead]
+        return out if not out.is_empty() else None
+
     # -- results ------------------------------------------------------------------
     def update(self, out: SchedulerOutput, seq_ids: list[int], token_ids: list[int],
                logprobs: list[float], now: float | None = None) -> list[TokenEvent]:

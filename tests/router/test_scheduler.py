@@ -5,8 +5,10 @@ one release path. Every test ends with assert_scheduler_empty()."""
 from __future__ import annotations
 
 from router.request import Finish, Status
-from tests.router.router_factories import (EOS, FakeExecutor, assert_scheduler_empty, create_requests,
-                              create_scheduler, make_request, run_to_completion, step)
+from router.scheduler import SchedulerOutput
+from tests.router.router_factories import (EOS, FIRST_TOKEN, FakeExecutor, assert_scheduler_empty,
+                                           create_requests, create_scheduler, make_request, run_to_completion,
+                                           step)
 
 
 def ids(out) -> list[str]:
@@ -501,3 +503,61 @@ def test_priority_preempts_for_memory_in_swap_mode():
     run_to_completion(sched, low + [high], now=20)
     assert all(len(r.output_token_ids) == 6 for r in low)
     assert_scheduler_empty(sched)
+
+
+def test_schedule_ahead_plans_the_next_decode_while_one_is_in_flight():
+    sched = create_scheduler("fcfs", block_size=4)
+    reqs = create_requests(3, prompt_len=3, max_new_tokens=[6, 6, 2])
+    add_all(sched, reqs)
+    step(sched)  # prefill: every request samples its first token
+    r0, r1, r2 = reqs
+    inflight = sched.schedule()  # decode of all three, result not back yet
+    assert sched.schedule_ahead(SchedulerOutput()) is None  # not a pure decode of every running request
+    ahead = sched.schedule_ahead(inflight)
+    # r2 reaches max_new_tokens=2 with the in-flight token: not planned again.
+    assert [item.req for item in ahead.seqs] == [r0, r1]
+    assert all(item.num_tokens == 1 and not item.is_new and not item.num_prompt_tokens for item in ahead.seqs)
+    # 3 prompt + 1 output computed by `inflight` = 4 tokens = one full block;
+    # the token computed ahead needs a second block.
+    assert [len(item.new_block_ids) for item in ahead.seqs] == [1, 1]
+    # r1 samples EOS in the in-flight step: its token from `ahead` is ignored
+    # and its blocks are released once.
+    sched.update(inflight, [r.seq_id for r in reqs], [FIRST_TOKEN, EOS, FIRST_TOKEN + 1], [])
+    assert r1.finish == Finish.EOS and r2.finish == Finish.LENGTH
+    sched.update(ahead, [r0.seq_id, r1.seq_id], [FIRST_TOKEN + 2, FIRST_TOKEN + 3], [])
+    assert r1.output_token_ids[-1] == EOS and len(r1.output_token_ids) == 2
+    assert len(r0.output_token_ids) == 3 and r0.num_computed_tokens == 5
+    sched.blocks.check_invariants()
+    run_to_completion(sched, [])
+    assert r0.finish == Finish.LENGTH and len(r0.output_token_ids) == 6
+    assert_scheduler_empty(sched)
+
+
+def test_schedule_ahead_declines_outside_steady_decode():
+    sched = create_scheduler("fcfs", block_size=4)
+    a, b = create_requests(2, prompt_len=3, max_new_tokens=8)
+    add_all(sched, [a])
+    first = sched.schedule()
+    assert sched.schedule_ahead(first) is None  # a prefill (new sequence) is in flight
+    sched.update(first, [a.seq_id], [FIRST_TOKEN], [])
+    sched.add(b)
+    second = sched.schedule()
+    assert sched.schedule_ahead(second) is None  # b was admitted: prefill in flight
+    sched.update(second, *FakeExecutor()(second))
+    run_to_completion(sched, [])
+    assert_scheduler_empty(sched)
+    tiny = create_scheduler("fcfs", block_size=4, num_blocks=2)
+    (c,) = create_requests(1, prompt_len=3, max_new_tokens=20, prefix="c")
+    add_all(tiny, [c])
+    step(tiny)
+    prev = tiny.schedule()
+    while True:  # keep one plan ahead until the next token would need a third block
+        nxt = tiny.schedule_ahead(prev)
+        tiny.update(prev, [c.seq_id], [FIRST_TOKEN], [])
+        tiny.blocks.check_invariants()
+        if nxt is None:
+            break
+        prev = nxt
+    assert c.num_computed_tokens == 8 and c.status == Status.RUNNING  # the normal schedule() decides next
+    tiny.finish(c, Finish.CANCELLED)
+    assert_scheduler_empty(tiny)
