@@ -87,7 +87,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
             while True:
                 d = await handle.next()
                 if d.error is not None:
-                    await context.abort(d.error[0], d.error[1])
+                    await _abort(context, d.error)
                 last = d.finish is not None
                 if d.token_ids or d.text or last:
                     yield self._response(req.request_id, d, self._usage(req) if last else None)
@@ -107,7 +107,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
             while True:
                 d = await handle.next()
                 if d.error is not None:
-                    await context.abort(d.error[0], d.error[1])
+                    await _abort(context, d.error)
                 acc.token_ids += d.token_ids
                 acc.text += d.text
                 acc.logprobs += d.logprobs
@@ -138,6 +138,15 @@ class GenerationService(gpb_grpc.GenerationServicer):
             version=__version__, max_new_tokens_limit=self.cfg.limits.max_new_tokens,
             attention_backend=f.attention_backend,
         )
+
+
+async def _abort(context, error: tuple[grpc.StatusCode, str]) -> None:
+    """Ends the RPC with `error`, unless it already ended on the client's side
+    (its deadline passed or it cancelled at the same moment): then sending a
+    status fails inside gRPC, so the handler just stops."""
+    if context.done():
+        raise asyncio.CancelledError()
+    await context.abort(error[0], error[1])
 
 
 def _client_gone(req):
