@@ -40,6 +40,14 @@ void check_row_major(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() >= 1, name, " must have at least one dimension");
 }
 
+// x [..., H] and weight [H], both contiguous CPU tensors of one dtype.
+void check_norm_args(const torch::Tensor& x, const torch::Tensor& weight) {
+  check_row_major(x, "x");
+  check_row_major(weight, "weight");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [H] with H = x.size(-1)");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+}
+
 // ---- portable reference loops (any float dtype) -----------------------------
 template <typename T>
 void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, float eps) {
@@ -315,10 +323,7 @@ CB_AVX512 int64_t argmax_bf16_row(const c10::BFloat16* x, int64_t n) {
 //   weight [H]       same dtype
 // returns  [..., H]  new tensor
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check_row_major(x, "x");
-  check_row_major(weight, "weight");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [H] with H = x.size(-1)");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+  check_norm_args(x, weight);
   auto out = torch::empty_like(x);
   const int64_t h = x.size(-1);
   const int64_t rows = h ? x.numel() / h : 0;
@@ -366,13 +371,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 //   x, residual [..., H] same shape/dtype, contiguous; weight [H]
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
                            double eps) {
-  check_row_major(x, "x");
+  check_norm_args(x, weight);
   check_row_major(residual, "residual");
-  check_row_major(weight, "weight");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [H] with H = x.size(-1)");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type(),
-              "x, residual and weight must share a dtype");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual and x must share a dtype");
   auto out = torch::empty_like(x);
   const int64_t h = x.size(-1);
   const int64_t rows = h ? x.numel() / h : 0;
