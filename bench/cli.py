@@ -126,7 +126,8 @@ def cmd_suite(a) -> int:
                     roofline=not a.no_roofline, overheads=not a.no_overheads, rate_sweep=not a.no_rate_sweep,
                     progress=not a.no_progress, budget_min=a.budget_min,
                     command="python -m bench " + " ".join(map(shlex.quote, a.argv)))
-    print(f"wrote {Path(a.out) / 'benchmarks.md'} in {res['suite_seconds'] / 60:.1f} min")
+    page = "benchmarks-full.md" if a.full else "benchmarks.md"
+    print(f"wrote {Path(a.out) / page} in {res['suite_seconds'] / 60:.1f} min")
     return 0
 
 
