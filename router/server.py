@@ -142,11 +142,18 @@ class GenerationService(gpb_grpc.GenerationServicer):
 
 async def _abort(context, error: tuple[grpc.StatusCode, str]) -> None:
     """Ends the RPC with `error`, unless it already ended on the client's side
-    (its deadline passed or it cancelled at the same moment): then sending a
-    status fails inside gRPC, so the handler just stops."""
+    (its deadline passed or it cancelled at the same moment): sending a status
+    then fails inside gRPC (ExecuteBatchError), so the handler just stops."""
     if context.done():
         raise asyncio.CancelledError()
-    await context.abort(error[0], error[1])
+    try:
+        await context.abort(error[0], error[1])
+    except grpc.aio.AbortError:
+        raise  # the normal way abort() ends a handler
+    except Exception as exc:  # noqa: BLE001 - gRPC's internal error type is not public
+        if type(exc).__name__ == "ExecuteBatchError":
+            raise asyncio.CancelledError() from exc
+        raise
 
 
 def _client_gone(req):
