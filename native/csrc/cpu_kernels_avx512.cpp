@@ -167,6 +167,23 @@ static inline void load32t(const char* p, __mmask32 m, __m512& x0, __m512& x1) {
   }
 }
 
+// Up to 32 fp32 values (`left` of them valid, zeros after) in the same layout
+// as load32t gives the storage dtype DT: for bf16 the even / odd elements,
+// else the low and high 16.
+template <int DT>
+static inline void load32f(const float* p, int64_t left, __m512& x0, __m512& x1) {
+  const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(left), p);
+  const __m512 hi = left > 16 ? _mm512_maskz_loadu_ps(tail_mask(left - 16), p + 16) : _mm512_setzero_ps();
+  if constexpr (DT == cbserve_native::kBF16) {
+    const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    x0 = _mm512_permutex2var_ps(lo, ev, hi);
+    x1 = _mm512_permutex2var_ps(lo, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), hi);
+  } else {
+    x0 = lo;
+    x1 = hi;
+  }
+}
+
 // Per 128-bit lane: the 4 vectors' in-lane sums, element i = vector i.
 static inline __m512 hsum4_lanes(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
@@ -221,22 +238,13 @@ static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* bas
   }
   // Query rows in the load32t layout (zero beyond D).
   alignas(64) float qb[16 * NV * 16];
-  const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
   for (int64_t r = 0; r < M; ++r) {
     for (int pc = 0; pc < NP; ++pc) {
-      const float* q = Q + r * ldq + pc * 32;
-      const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(D - pc * 32), q);
-      const __m512 hi = D - pc * 32 > 16 ? _mm512_maskz_loadu_ps(tail_mask(D - pc * 32 - 16), q + 16)
-                                         : _mm512_setzero_ps();
+      __m512 x0, x1;
+      load32f<DT>(Q + r * ldq + pc * 32, D - pc * 32, x0, x1);
       float* dst = qb + (r * NV + 2 * pc) * 16;
-      if constexpr (DT == cbserve_native::kBF16) {
-        _mm512_store_ps(dst, _mm512_permutex2var_ps(lo, ev, hi));
-        _mm512_store_ps(dst + 16, _mm512_permutex2var_ps(lo, od, hi));
-      } else {
-        _mm512_store_ps(dst, lo);
-        _mm512_store_ps(dst + 16, hi);
-      }
+      _mm512_store_ps(dst, x0);
+      _mm512_store_ps(dst + 16, x1);
     }
   }
   constexpr int RS = NP <= 2 ? 3 : 2;
@@ -255,26 +263,11 @@ static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, co
                                int64_t n, int64_t D, const __mmask32* m, float* A, int64_t lda) {
   constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
   constexpr int NV = 2 * NP;
-  const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
   const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(8));
   __m512 acc[RT][NV];
-  for (int r = 0; r < RT; ++r) {
-    for (int pc = 0; pc < NP; ++pc) {
-      const float* a = A + r * lda + pc * 32;
-      const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(D - pc * 32), a);
-      const __m512 hi = D - pc * 32 > 16 ? _mm512_maskz_loadu_ps(tail_mask(D - pc * 32 - 16), a + 16)
-                                         : _mm512_setzero_ps();
-      if constexpr (DT == cbserve_native::kBF16) {
-        acc[r][2 * pc] = _mm512_permutex2var_ps(lo, ev, hi);
-        acc[r][2 * pc + 1] = _mm512_permutex2var_ps(lo, od, hi);
-      } else {
-        acc[r][2 * pc] = lo;
-        acc[r][2 * pc + 1] = hi;
-      }
-    }
-  }
+  for (int r = 0; r < RT; ++r)
+    for (int pc = 0; pc < NP; ++pc) load32f<DT>(A + r * lda + pc * 32, D - pc * 32, acc[r][2 * pc], acc[r][2 * pc + 1]);
   for (int64_t t = 0; t < n; ++t) {
     const char* v = base + offs[t] * es;
     __m512 x[NV];
