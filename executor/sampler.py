@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from native._fused import argmax as native_argmax
+
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio stride keeps per-step seeds apart
 _MASK64 = (1 << 64) - 1
 
@@ -91,9 +93,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     the native pass (native._fused.argmax) reads each row once: 0.18 ms for
     64 x 49152 bf16 logits against 1.2 ms for torch's max()."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.is_contiguous():
-        from native._fused import argmax
-
-        return argmax(logits).tolist()
+        return native_argmax(logits).tolist()
     return logits.max(dim=-1).indices.tolist()
 
 

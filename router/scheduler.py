@@ -314,8 +314,7 @@ class Scheduler:
             return None
         decoding = {item.req.seq_id for item in inflight.seqs
                     if item.num_tokens == 1 and not item.num_prompt_tokens and not item.is_new}
-        if len(decoding) != len(inflight.seqs) or any(r.seq_id not in decoding or not r.executor_has_state
-                                                      for r in self.running):
+        if len(decoding) != len(inflight.seqs) or any(r.seq_id not in decoding for r in self.running):
             return None
         ahead = [r for r in sorted(self.running, key=self.policy.running_key)
                  if len(r.output_token_ids) + 1 < r.stopping.max_new_tokens and r.num_tokens + 1 < self.max_context]
