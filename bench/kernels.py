@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import native
+from bench import linear_kernels
 from executor import torch_ops
 
 HQ, HKV, D = 9, 3, 64
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, bw = run(args.reps, args.only)
     tab = table(rows, bw)
     print(tab)
+    lin = linear_kernels.table(linear_kernels.run())
+    print(lin)
     if args.out:
         cmd = "python -m bench.kernels" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
         doc = "\n".join(
@@ -205,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"- command: `{cmd}`",
                 "",
                 tab,
+                "",
+                "## Decode-sized linear layers",
+                "",
+                linear_kernels.__doc__.split("\n\n")[0].replace("\n", " "),
+                "",
+                lin,
                 "",
             ]
         )

@@ -214,19 +214,20 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
   }
 }
 
-// An item's rows are (query token i, head g of the GQA group), r = i * G + g.
-// Element offset of row r's query / output vector in the [T, Hq, D] tensors.
+// An item's rows are (KV head h, query token i, head g of the GQA group),
+// r = (h * nq + i) * G + g. Element offset of row r's query / output vector
+// in the [T, Hq, D] tensors.
 static inline int64_t row_offset(const AttnParams& p, const AttnItem& it, int64_t r) {
-  const int64_t G = p.hq / p.hkv;
-  const int64_t i = r / G, g = r % G;
-  return ((p.cu_seqlens[it.seq] + it.q_begin + i) * p.hq + it.kv_head * G + g) * p.head_dim;
+  const int64_t G = p.hq / p.hkv, Mh = (it.q_end - it.q_begin) * G;
+  const int64_t h = it.kv_head + r / Mh, i = (r % Mh) / G, g = r % G;
+  return ((p.cu_seqlens[it.seq] + it.q_begin + i) * p.hq + h * G + g) * p.head_dim;
 }
 
 // Loads the item's scaled fp32 query rows Qf [M, DP] (zero beyond D) and
 // resets the online-softmax state: Acc [M, DP] = 0, max = -inf, sum = 0.
 static inline void init_rows(const AttnParams& p, const AttnItem& it, float* Qf, float* Acc, float* mrow,
                              float* lrow, int64_t DP) {
-  const int64_t D = p.head_dim, M = (it.q_end - it.q_begin) * (p.hq / p.hkv);
+  const int64_t D = p.head_dim, M = cbserve_native::item_rows(it, p.hq / p.hkv);
   const int64_t esize = p.dtype == cbserve_native::kF32 ? 4 : 2;
   const char* qbase = static_cast<const char*>(p.query);
   for (int64_t r = 0; r < M; ++r) {
@@ -244,7 +245,7 @@ static inline void init_rows(const AttnParams& p, const AttnItem& it, float* Qf,
 // Normalises each accumulator row by its softmax sum and writes it to out.
 static inline void store_rows(const AttnParams& p, const AttnItem& it, float* Acc, const float* lrow,
                               int64_t DP) {
-  const int64_t D = p.head_dim, M = (it.q_end - it.q_begin) * (p.hq / p.hkv);
+  const int64_t D = p.head_dim, M = cbserve_native::item_rows(it, p.hq / p.hkv);
   const int64_t esize = p.dtype == cbserve_native::kF32 ? 4 : 2;
   char* obase = static_cast<char*>(p.out);
   for (int64_t r = 0; r < M; ++r) {
@@ -277,14 +278,14 @@ static_assert(cbserve_native::kDecodeChunk % 16 == 0, "chunk");
 
 static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scratch) {
   const int64_t D = p.head_dim, bs = p.block_size, hq = p.hq, hkv = p.hkv;
-  const int64_t G = hq / hkv, h = it.kv_head;
+  const int64_t G = hq / hkv, h0 = it.kv_head, nh = it.n_heads;
   const int dtype = p.dtype;
   const int64_t esize = dtype == cbserve_native::kF32 ? 4 : 2;
   const int64_t q0 = p.cu_seqlens[it.seq];
   const int64_t q_len = p.cu_seqlens[it.seq + 1] - q0;
   const int64_t ctx = p.seq_lens[it.seq] - q_len;
-  const int64_t nq = it.q_end - it.q_begin;
-  const int64_t M = nq * G;
+  const int64_t Mh = (it.q_end - it.q_begin) * G;  // rows per KV head
+  const int64_t M = Mh * nh;
   const int64_t DP = round_up(D, kPad);
   constexpr int64_t CH = cbserve_native::kDecodeChunk;
 
@@ -295,7 +296,8 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
   float* S = lrow + 16;         // [M, CH]  scores, then probabilities of one chunk
   float* tmp = S + M * CH;      // [16, DP] staging for the group kernels
   int64_t* offs = reinterpret_cast<int64_t*>(tmp + 16 * DP);  // [CH] token row offsets
-  const int64_t rowb = D * esize;
+  // The item's heads are adjacent in a token's cache row: prefetch them as one span.
+  const int64_t rowb = nh * D * esize, headb = D * esize;
   for (int64_t t = 0; t < 16; ++t)
     for (int64_t d = D; d < DP; ++d) tmp[t * DP + d] = 0.f;
 
@@ -309,10 +311,10 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
 
   for (int64_t c0 = 0; c0 < kv_hi; c0 += CH) {
     const int64_t n = cb_min(CH, kv_hi - c0);
-    // Scores of the chunk, 16 tokens at a time (token rows gathered across blocks).
-    // Element offsets of the chunk's token rows (walked without divisions).
+    // Element offsets of the chunk's token rows at the item's first head
+    // (walked without divisions); head j of the item is j * D further.
     for (int64_t t = 0, blk = c0 / bs, in_blk = c0 % bs; t < n; ++t) {
-      offs[t] = ((int64_t(table[blk]) * bs + in_blk) * hkv + h) * D;
+      offs[t] = ((int64_t(table[blk]) * bs + in_blk) * hkv + h0) * D;
       if (++in_blk == bs) in_blk = 0, ++blk;
     }
     // Blocks are scattered, so the hardware prefetcher cannot follow: keep
@@ -322,18 +324,21 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
       prefetch_row(kc + offs[t] * esize, rowb);
       prefetch_row(vc + offs[t] * esize, rowb);
     }
+    // Scores of the chunk, 16 tokens at a time, all heads of a token group together.
     for (int64_t g0 = 0; g0 < n; g0 += 16) {
       const int64_t gn = cb_min(16, n - g0);
       for (int64_t t = g0 + kDecPrefetch; t < cb_min(n, g0 + kDecPrefetch + 16); ++t) {
         prefetch_row(kc + offs[t] * esize, rowb);
         prefetch_row(vc + offs[t] * esize, rowb);
       }
-      CB_DEC_SCORES(Qf, DP, M, kc, offs + g0, gn, dtype, D, S + g0, CH, tmp);
+      for (int64_t j = 0; j < nh; ++j)
+        CB_DEC_SCORES(Qf + j * Mh * DP, DP, Mh, kc + j * headb, offs + g0, gn, dtype, D,
+                      S + j * Mh * CH + g0, CH, tmp);
     }
     // Exact softmax over the chunk, rescaling the running state once per chunk.
     const int64_t ncols = (n + V::W - 1) / V::W * V::W;
     for (int64_t r = 0; r < M; ++r) {
-      const int64_t pos = ctx + it.q_begin + r / G;  // the row's own position
+      const int64_t pos = ctx + it.q_begin + (r % Mh) / G;  // the row's own position
       const int64_t vis = cb_max(0, cb_min(n, pos - c0 + 1));
       float* s = S + r * CH;
       for (int64_t t = vis; t < ncols; ++t) s[t] = ninf;
@@ -344,7 +349,8 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
       online_softmax_row(s, ncols, mrow[r], lrow[r], Acc + r * DP, DP);
     }
     // P.V, streaming V rows.
-    CB_DEC_PV(S, CH, M, vc, offs, n, dtype, D, Acc, DP, tmp);
+    for (int64_t j = 0; j < nh; ++j)
+      CB_DEC_PV(S + j * Mh * CH, CH, Mh, vc + j * headb, offs, n, dtype, D, Acc + j * Mh * DP, DP, tmp);
   }
 
   store_rows(p, it, Acc, lrow, DP);
@@ -352,7 +358,7 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
 
 // ------------------------------------------------------------- tiled path ---
 static void attn_item_impl(const AttnParams& p, const AttnItem& it, float* scratch) {
-  if ((it.q_end - it.q_begin) * (p.hq / p.hkv) <= cbserve_native::kDecodeMaxRows) {
+  if (cbserve_native::item_rows(it, p.hq / p.hkv) <= cbserve_native::kDecodeMaxRows) {
     attn_decode_impl(p, it, scratch);
     return;
   }

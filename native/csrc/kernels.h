@@ -31,14 +31,23 @@ struct AttnParams {
   int32_t dtype;  // DType
 };
 
-// One unit of work: all query heads of one KV head, for query tokens
-// [q_begin, q_end) (relative to the sequence's first query token).
+// One unit of work: all query heads of KV heads [kv_head, kv_head + n_heads),
+// for query tokens [q_begin, q_end) (relative to the sequence's first query
+// token). Only decode items (attn_decode_impl) span more than one KV head:
+// one token's K (or V) rows of all heads are adjacent in the cache, so
+// reading them together streams whole blocks instead of strided slices.
 struct AttnItem {
   int32_t seq;
   int32_t kv_head;
   int32_t q_begin;
   int32_t q_end;
+  int32_t n_heads;
 };
+
+// Query rows (tokens x query heads) of an item.
+inline int64_t item_rows(const AttnItem& it, int64_t group) {
+  return int64_t(it.q_end - it.q_begin) * group * it.n_heads;
+}
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 

@@ -251,6 +251,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 // ------------------------------------------------------------ paged_attention ---
 constexpr int64_t kTargetRows = 192;  // query rows (tokens x group heads) per work item
+// Whole-row decode items (all KV heads) once there are this many sequences per thread.
+constexpr int64_t kWholeRowSeqsPerThread = 4;
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -349,17 +351,26 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 
   // Work items: (sequence, KV head, query chunk); all G query heads of a KV
   // head are processed together so each K/V block is read once per group.
+  // Decode items take all KV heads of a sequence at once when there are
+  // enough sequences to keep every thread busy (contiguous cache reads).
   const int64_t qc = std::max<int64_t>(1, kTargetRows / G);
+  const bool whole_rows = B >= kWholeRowSeqsPerThread * at::get_num_threads();
   std::vector<AttnItem> items;
   std::vector<double> cost;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b];
     for (int64_t i0 = 0; i0 < q_len; i0 += qc) {
       const int64_t i1 = std::min(q_len, i0 + qc);
+      // KV tokens visited x rows (plus a per-item constant).
+      const double c = double(sl[b] - q_len + i1) * double((i1 - i0) * G + 8);
+      if (whole_rows && (i1 - i0) * hq <= kDecodeMaxRows) {
+        items.push_back({int32_t(b), 0, int32_t(i0), int32_t(i1), int32_t(hkv)});
+        cost.push_back(c * double(hkv));
+        continue;
+      }
       for (int64_t h = 0; h < hkv; ++h) {
-        items.push_back({int32_t(b), int32_t(h), int32_t(i0), int32_t(i1)});
-        // KV tokens visited x rows (plus a per-item constant).
-        cost.push_back(double(sl[b] - q_len + i1) * double((i1 - i0) * G + 8));
+        items.push_back({int32_t(b), int32_t(h), int32_t(i0), int32_t(i1), 1});
+        cost.push_back(c);
       }
     }
   }

@@ -105,3 +105,32 @@ def test_cpu_features_reports_dispatch():
     assert native.has_cuda() in (True, False)
     with pytest.raises(ValueError, match="unknown ISA"):
         native._set_isa("sse9")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (16, 4)])
+def test_large_decode_batch_whole_row_items(isa, dtype, hq, hkv):
+    """Enough decode sequences that one work item takes all KV heads of a
+    sequence (where q_len x Hq <= 16 rows): same result as the reference,
+    including empty, one-token and past-a-chunk (> 512) contexts, 2-token
+    queries and a sequence with no query this step."""
+    q_lens = [1, 1, 2, 1, 0, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1]
+    ctx_lens = [0, 5, 17, 600, 9, 31, 64, 200, 1, 700, 16, 15, 100, 3, 50, 520, 80, 2, 40, 33]
+    check(dict(q_lens=q_lens, ctx_lens=ctx_lens, hq=hq, hkv=hkv, d=64, block_size=16, dtype=dtype, seed=5))
+
+
+def test_whole_row_and_per_head_items_agree_bitwise(isa):
+    """Six decode sequences: whole-row items at one thread (>= 4 sequences per
+    thread), per-KV-head items at two; the arithmetic per head is the same."""
+    batch = make_batch([1] * 6, [30, 150, 7, 513, 64, 1], hq=9, hkv=3, d=64, block_size=16,
+                       dtype=torch.bfloat16, seed=6)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = run_native(batch, 0.125)
+        torch.set_num_threads(2)
+        per_head = run_native(batch, 0.125)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(whole, per_head)
+    assert (whole.float() - reference(batch, 0.125)).abs().max().item() <= tolerance(torch.bfloat16)

@@ -15,6 +15,8 @@
 #include <cstring>
 #include <tuple>
 
+#include "skinny_linear.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define CB_X86 1
@@ -480,4 +482,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("head_dim"),
         "Rotary embedding (rotate-half) on q and k of a fused [T, (Hq+2Hkv)*D] projection; returns "
         "contiguous (q, k, v).");
+  m.def("skinny_linear", &cbserve_fused::skinny_linear, py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none(),
+        "x [M, K] @ weight [N, K]^T (+ bias) in bf16 for a few rows (decode), streaming the weights once; "
+        "AVX512-BF16 CPUs only (see skinny_linear_supported).");
+  m.def("skinny_linear_supported", &cbserve_fused::skinny_linear_supported);
 }
