@@ -251,6 +251,10 @@ static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* bas
   int64_t r0 = 0;
   for (; r0 + RS <= M; r0 += RS)
     dec_scores_rows<NP, DT, RS>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds);
+  if (M - r0 == 2 && RS > 2) {
+    dec_scores_rows<NP, DT, 2>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds);
+    return;
+  }
   for (; r0 < M; ++r0) dec_scores_rows<NP, DT, 1>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds);
 }
 
@@ -305,7 +309,17 @@ static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, c
   int64_t r0 = 0;
   for (; r0 + RT <= M; r0 += RT)
     dec_pv_rows<NP, DT, RT>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda);
-  for (; r0 < M; ++r0) dec_pv_rows<NP, DT, 1>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda);
+  // The remaining rows in one pass too (e.g. the 3 query heads of a GQA
+  // group): one pass per row would convert each V row again and leave one
+  // FMA chain per accumulator, latency-bound.
+  const float* pr = P + r0 * ldp;
+  float* ar = A + r0 * lda;
+  switch (M - r0) {
+    case 1: dec_pv_rows<NP, DT, 1>(pr, ldp, base, offs, n, D, m, ar, lda); break;
+    case 2: if constexpr (RT > 2) dec_pv_rows<NP, DT, 2>(pr, ldp, base, offs, n, D, m, ar, lda); break;
+    case 3: if constexpr (RT > 3) dec_pv_rows<NP, DT, 3>(pr, ldp, base, offs, n, D, m, ar, lda); break;
+    default: break;
+  }
 }
 
 #define CB_DEC_DISPATCH(KERNEL, ...)                                                   \
