@@ -135,16 +135,23 @@ def roofline_bounds_table(roof: dict) -> str:
                    "cbserve decode tok/s @64", "share of bound"], rows)
 
 
+def _share(v) -> str:
+    return _fmt(100 * v, 1) + " %" if v is not None and not math.isnan(v) else "–"
+
+
 def overhead_table(ov: list[dict]) -> str:
+    """Per iteration: the router's whole cycle, the executor's Step (plan in,
+    tokens out) and the model forward inside it. Router + transport = iteration
+    - executor step (scheduling, plan building, serialisation, gRPC, result
+    handling, detokenisation); outside the forward adds the executor's own
+    per-step work (metadata, sampling)."""
     rows = []
     for o in ov:
         rows.append([str(o["batch"]), _fmt(o.get("decode_tok_s")), _ms(o.get("iteration_mean_s")),
-                     _ms(o.get("inner_mean_s")), o.get("inner_metric", "–"),
-                     _fmt(100 * o["overhead_share"], 1) + " %" if o.get("overhead_share") is not None
-                     and not math.isnan(o["overhead_share"]) else "–",
-                     o.get("note", "")])
-    return _table(["batch", "decode tok/s", "iteration ms", "inner ms", "inner metric", "outside the forward",
-                   "note"], rows)
+                     _ms(o.get("executor_step_mean_s")), _ms(o.get("inner_mean_s")), o.get("inner_metric", "–"),
+                     _share(o.get("router_share")), _share(o.get("overhead_share")), o.get("note", "")])
+    return _table(["batch", "decode tok/s", "iteration ms", "executor step ms", "inner ms", "inner metric",
+                   "router + transport", "outside the forward", "note"], rows)
 
 
 def rate_table(sweep: list[dict]) -> str:
@@ -291,7 +298,8 @@ def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks
         lines += ["## Roofline", "", roof.get("text", ""), "", roofline_table(roof), "",
                   roofline_bounds_table(roof), ""]
     if results.get("overheads"):
-        lines += ["## Per-iteration overhead outside the model forward", "", overhead_table(results["overheads"]), ""]
+        lines += ["## Per-iteration overhead outside the model forward", "",
+                  " ".join(overhead_table.__doc__.split()), "", overhead_table(results["overheads"]), ""]
     if results.get("errors"):
         lines += ["## Problems during this run", ""] + [f"- {e}" for e in results["errors"]] + [""]
     if results.get("commands"):

