@@ -156,10 +156,9 @@ class ModelRunner:
         if max(seq_lens) > self.max_context:
             raise PlanError(f"a sequence reaches {max(seq_lens)} tokens, beyond the context {self.max_context}")
 
-        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for i, (_, _, st) in enumerate(scheduled):
-            if st.block_table:
-                tables[i, : len(st.block_table)] = torch.tensor(st.block_table, dtype=torch.int32)
+        # One tensor from one padded list (a per-row copy costs ~5 us a sequence).
+        tables = torch.tensor([st.block_table + [0] * (max_blocks - len(st.block_table)) for _, _, st in scheduled],
+                              dtype=torch.int32)
         dev = self.device
         meta = attention.AttnMetadata(
             kv_cache=self.kv,
