@@ -97,7 +97,7 @@ class MetricsSampler:
     """Samples gauges every `interval_s` in a thread, brackets the run with two
     snapshots. Use as a context manager; call `summary()` afterwards."""
 
-    def __init__(self, url: str | None, interval_s: float = 0.25):
+    def __init__(self, url: str | None, interval_s: float = 0.5):
         self.url = url
         self.interval_s = interval_s
         self.samples: dict[str, list[float]] = {g: [] for g in GAUGES}
