@@ -483,7 +483,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Rotary embedding (rotate-half) on q and k of a fused [T, (Hq+2Hkv)*D] projection; returns "
         "contiguous (q, k, v).");
   m.def("skinny_linear", &cbserve_fused::skinny_linear, py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none(),
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
         "x [M, K] @ weight [N, K]^T (+ bias) in bf16 for a few rows (decode), streaming the weights once; "
         "AVX512-BF16 CPUs only (see skinny_linear_supported).");
   m.def("skinny_linear_supported", &cbserve_fused::skinny_linear_supported);
