@@ -15,6 +15,7 @@
 #endif
 #include <immintrin.h>
 
+#include "avx512_hsum.h"
 #include "half_utils.h"
 
 namespace {
@@ -182,19 +183,6 @@ static inline void load32f(const float* p, int64_t left, __m512& x0, __m512& x1)
     x0 = lo;
     x1 = hi;
   }
-}
-
-// Per 128-bit lane: the 4 vectors' in-lane sums, element i = vector i.
-static inline __m512 hsum4_lanes(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  return _mm512_add_ps(_mm512_shuffle_ps(b0, b1, 0x44), _mm512_shuffle_ps(b0, b1, 0xEE));
-}
-// Lane 4j+i = total of hsum4_lanes result c[j]'s element i over the four 128-bit lanes.
-static inline __m512 hsum_quads(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
-  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c2, c3, 0x88), _mm512_shuffle_f32x4(c2, c3, 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
 }
 
 // RS query rows x up to 16 tokens: each K row is loaded and converted once

@@ -15,26 +15,12 @@
 #include <cstring>
 #include <tuple>
 
+#include "cpu_isa.h"
 #include "skinny_linear.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define CB_X86 1
-#else
-#define CB_X86 0
-#endif
 
 namespace {
 
-bool has_avx512_bf16() {
-#if CB_X86
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512bf16");
-  return ok;
-#else
-  return false;
-#endif
-}
+using cbserve_fused::has_avx512_bf16;
 
 void check_row_major(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -148,32 +134,35 @@ int64_t argmax_row(const T* x, int64_t n) {
   return best;
 }
 
-#if CB_X86
+#if CB_FUSED_X86
 // ---- AVX-512 bf16 ------------------------------------------------------------
-#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-CB_AVX512 inline __m512 load_bf16(const c10::BFloat16* p) {
+CB_AVX512BF16 inline __mmask16 lanes(int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+}
+
+CB_AVX512BF16 inline __m512 load_bf16(const c10::BFloat16* p) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-CB_AVX512 inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 m) {
+CB_AVX512BF16 inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 m) {
   __m256i v = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-CB_AVX512 inline __m512 round_bf16(__m512 v) {  // fp32 -> bf16 (RNE) -> fp32
+CB_AVX512BF16 inline __m512 round_bf16(__m512 v) {  // fp32 -> bf16 (RNE) -> fp32
   __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-CB_AVX512 inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+CB_AVX512BF16 inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m) {
   __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   _mm256_mask_storeu_epi16(p, m, b);
 }
 
-CB_AVX512 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
-                                  int64_t r0, int64_t r1, int64_t h, float eps) {
+CB_AVX512BF16 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
+                                      int64_t r0, int64_t r1, int64_t h, float eps) {
   for (int64_t r = r0; r < r1; ++r) {
     const c10::BFloat16* xr = x + r * h;
     c10::BFloat16* orow = out + r * h;
@@ -184,15 +173,14 @@ CB_AVX512 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x, co
       acc = _mm512_fmadd_ps(v, v, acc);
     }
     if (i < h) {
-      __mmask16 m = static_cast<__mmask16>((1u << (h - i)) - 1);
+      const __mmask16 m = lanes(h - i);
       __m512 v = load_bf16_masked(xr + i, m);
       acc = _mm512_fmadd_ps(v, v, acc);
     }
     const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + eps);
     const __m512 vinv = _mm512_set1_ps(inv);
     for (i = 0; i < h; i += 16) {
-      const int64_t n = h - i < 16 ? h - i : 16;
-      __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+      const __mmask16 m = lanes(h - i);
       __m512 y = round_bf16(_mm512_mul_ps(load_bf16_masked(xr + i, m), vinv));
       store_bf16(orow + i, _mm512_mul_ps(load_bf16_masked(w + i, m), y), m);
     }
@@ -204,7 +192,7 @@ void rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, const c10:
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { rms_norm_bf16_rows(out, x, w, r0, r1, h, eps); });
 }
 
-CB_AVX512 inline __m512 exp_ps(__m512 x) {
+CB_AVX512BF16 inline __m512 exp_ps(__m512 x) {
   // exp(x) = 2^(x*log2e): integer part via scalef, fraction by a degree-6 polynomial.
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
   __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
@@ -220,16 +208,15 @@ CB_AVX512 inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-CB_AVX512 void silu_mul_bf16_rows(c10::BFloat16* out, const c10::BFloat16* gu, int64_t r0, int64_t r1,
-                                  int64_t inter) {
+CB_AVX512BF16 void silu_mul_bf16_rows(c10::BFloat16* out, const c10::BFloat16* gu, int64_t r0, int64_t r1,
+                                      int64_t inter) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t r = r0; r < r1; ++r) {
     const c10::BFloat16* g = gu + r * 2 * inter;
     const c10::BFloat16* u = g + inter;
     c10::BFloat16* o = out + r * inter;
     for (int64_t i = 0; i < inter; i += 16) {
-      const int64_t n = inter - i < 16 ? inter - i : 16;
-      __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+      const __mmask16 m = lanes(inter - i);
       __m512 gv = load_bf16_masked(g + i, m);
       __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       store_bf16(o + i, _mm512_mul_ps(round_bf16(s), load_bf16_masked(u + i, m)), m);
@@ -241,11 +228,7 @@ void silu_mul_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* gu, int64_t r
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { silu_mul_bf16_rows(out, gu, r0, r1, inter); });
 }
 
-CB_AVX512 inline __mmask16 lanes(int64_t n) {
-  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
-}
-
-CB_AVX512 void add_rows_bf16(c10::BFloat16* res, const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t h) {
+CB_AVX512BF16 void add_rows_bf16(c10::BFloat16* res, const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t h) {
   for (int64_t r = r0; r < r1; ++r) {
     c10::BFloat16* rr = res + r * h;
     const c10::BFloat16* xr = x + r * h;
@@ -264,8 +247,8 @@ void add_rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, c10::B
   });
 }
 
-CB_AVX512 void rope_row_bf16(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16* c,
-                             const c10::BFloat16* s, int64_t D) {
+CB_AVX512BF16 void rope_row_bf16(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16* c,
+                                 const c10::BFloat16* s, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; i += 16) {
     const __mmask16 m = lanes(half - i);
@@ -279,9 +262,9 @@ CB_AVX512 void rope_row_bf16(c10::BFloat16* y, const c10::BFloat16* x, const c10
   }
 }
 
-CB_AVX512 void rope_split_bf16_rows(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin,
-                                    c10::BFloat16* q, c10::BFloat16* k, c10::BFloat16* v, int64_t r0, int64_t r1,
-                                    int64_t hq, int64_t hkv, int64_t D) {
+CB_AVX512BF16 void rope_split_bf16_rows(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin,
+                                        c10::BFloat16* q, c10::BFloat16* k, c10::BFloat16* v, int64_t r0, int64_t r1,
+                                        int64_t hq, int64_t hkv, int64_t D) {
   const int64_t width = (hq + 2 * hkv) * D;
   for (int64_t t = r0; t < r1; ++t) {
     const c10::BFloat16* src = qkv + t * width;
@@ -295,7 +278,7 @@ CB_AVX512 void rope_split_bf16_rows(const c10::BFloat16* qkv, const c10::BFloat1
 
 // Per lane: the first index of the lane's maximum (strictly greater replaces);
 // across lanes: the smallest index among lanes holding the row maximum.
-CB_AVX512 int64_t argmax_bf16_row(const c10::BFloat16* x, int64_t n) {
+CB_AVX512BF16 int64_t argmax_bf16_row(const c10::BFloat16* x, int64_t n) {
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   __m512 best = ninf;
   __m512i bidx = _mm512_setzero_si512();
@@ -316,7 +299,7 @@ CB_AVX512 int64_t argmax_bf16_row(const c10::BFloat16* x, int64_t n) {
   const __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(mv), _CMP_EQ_OQ);
   return _mm512_mask_reduce_min_epi32(eq, bidx);
 }
-#endif  // CB_X86
+#endif  // CB_FUSED_X86
 
 }  // namespace
 
@@ -330,7 +313,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const int64_t h = x.size(-1);
   const int64_t rows = h ? x.numel() / h : 0;
   if (rows == 0) return out;
-#if CB_X86
+#if CB_FUSED_X86
   if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     rms_norm_bf16_avx512(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
                          weight.data_ptr<c10::BFloat16>(), rows, h, static_cast<float>(eps));
@@ -357,7 +340,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   auto out = torch::empty(sizes, gate_up.options());
   const int64_t rows = inter ? gate_up.numel() / two_i : 0;
   if (rows == 0) return out;
-#if CB_X86
+#if CB_FUSED_X86
   if (gate_up.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     silu_mul_bf16_avx512(out.data_ptr<c10::BFloat16>(), gate_up.data_ptr<c10::BFloat16>(), rows, inter);
     return out;
@@ -381,7 +364,7 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
   const int64_t h = x.size(-1);
   const int64_t rows = h ? x.numel() / h : 0;
   if (rows == 0) return out;
-#if CB_X86
+#if CB_FUSED_X86
   if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     add_rms_norm_bf16_avx512(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
                              residual.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), rows, h,
@@ -418,7 +401,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::
   auto k = torch::empty({T, hkv, head_dim}, qkv.options());
   auto v = torch::empty({T, hkv, head_dim}, qkv.options());
   if (T == 0) return {q, k, v};
-#if CB_X86
+#if CB_FUSED_X86
   if (qkv.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     using B = c10::BFloat16;
     const B* src = qkv.data_ptr<B>();
@@ -450,7 +433,7 @@ torch::Tensor argmax(const torch::Tensor& x) {
   const int64_t rows = x.size(0), n = x.size(1);
   auto out = torch::empty({rows}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-#if CB_X86
+#if CB_FUSED_X86
   if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     const c10::BFloat16* p = x.data_ptr<c10::BFloat16>();
     at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {

@@ -18,33 +18,18 @@
 
 #include <cstdint>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define CB_SKINNY_X86 1
-#else
-#define CB_SKINNY_X86 0
+#include "cpu_isa.h"
+
+#if CB_FUSED_X86
+#define CB_HSUM_TARGET CB_AVX512BF16
+#include "../avx512_hsum.h"
 #endif
 
 namespace cbserve_fused {
 
 namespace {
 
-#if CB_SKINNY_X86
-#define CB_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
-// Per 128-bit lane: the 4 vectors' in-lane sums, element i = vector i.
-CB_AVX512BF16 inline __m512 hsum4_lanes(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  return _mm512_add_ps(_mm512_shuffle_ps(b0, b1, 0x44), _mm512_shuffle_ps(b0, b1, 0xEE));
-}
-// Lane 4j+i = vector c[j]'s element i summed over the four 128-bit lanes.
-CB_AVX512BF16 inline __m512 hsum_quads(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
-  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c2, c3, 0x88), _mm512_shuffle_f32x4(c2, c3, 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
-}
-
+#if CB_FUSED_X86
 constexpr int64_t kRows = 16;  // output features per block: one vector of results
 // Blocks prefetched ahead (measured 20.5 GB/s at 1, 18.9 at 2, 15.7 at 4, 14.3 at 0).
 constexpr int64_t kPrefetchBlocks = 1;
@@ -105,15 +90,7 @@ CB_AVX512BF16 void block16(const uint16_t* x, const uint16_t* w, const uint16_t*
 
 }  // namespace
 
-bool skinny_linear_supported() {
-#if CB_SKINNY_X86
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  return ok;
-#else
-  return false;
-#endif
-}
+bool skinny_linear_supported() { return has_avx512_bf16(); }
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight,
                             const c10::optional<torch::Tensor>& bias) {
@@ -135,7 +112,7 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight,
   }
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-#if CB_SKINNY_X86
+#if CB_FUSED_X86
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
