@@ -361,16 +361,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     const int64_t q_len = cu[b + 1] - cu[b];
     for (int64_t i0 = 0; i0 < q_len; i0 += qc) {
       const int64_t i1 = std::min(q_len, i0 + qc);
-      // KV tokens visited x rows (plus a per-item constant).
-      const double c = double(sl[b] - q_len + i1) * double((i1 - i0) * G + 8);
-      if (whole_rows && (i1 - i0) * hq <= kDecodeMaxRows) {
-        items.push_back({int32_t(b), 0, int32_t(i0), int32_t(i1), int32_t(hkv)});
-        cost.push_back(c * double(hkv));
-        continue;
-      }
-      for (int64_t h = 0; h < hkv; ++h) {
-        items.push_back({int32_t(b), int32_t(h), int32_t(i0), int32_t(i1), 1});
-        cost.push_back(c);
+      const int64_t nh = whole_rows && (i1 - i0) * hq <= kDecodeMaxRows ? hkv : 1;
+      for (int64_t h = 0; h < hkv; h += nh) {
+        items.push_back({int32_t(b), int32_t(h), int32_t(i0), int32_t(i1), int32_t(nh)});
+        // KV tokens visited x rows (plus a per-item constant), per KV head.
+        cost.push_back(double(sl[b] - q_len + i1) * double((i1 - i0) * G + 8) * double(nh));
       }
     }
   }
