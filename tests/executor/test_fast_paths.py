@@ -32,6 +32,14 @@ def _greedy(runner: ModelRunner, prompts, n_new: int):
     return [out[i] for i in range(len(prompts))]
 
 
+def _assert_greedy_agrees(got, ref):
+    """Two bf16 paths whose matmuls may sum in another order: a rare near-tie
+    flip late in a sequence is allowed, but the first tokens must agree."""
+    assert [g[:3] for g in got] == [r[:3] for r in ref]
+    agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
+    assert agree >= 0.9
+
+
 @needs_bf16
 def test_modules_are_swapped_in_bf16_only():
     bf = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
@@ -48,12 +56,8 @@ def test_fast_paths_match_stock_modules_in_bf16():
     fast = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
     stock = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
                         prepack=False)
-    got, ref = _greedy(fast, prompts, 10), _greedy(stock, prompts, 10)
-    # bf16 matmul blocking may differ between oneDNN paths: allow a rare
-    # near-tie flip late in a sequence, but the first tokens must agree.
-    assert [g[:3] for g in got] == [r[:3] for r in ref]
-    agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
-    assert agree >= 0.9
+    # bf16 matmul blocking may differ between oneDNN paths.
+    _assert_greedy_agrees(_greedy(fast, prompts, 10), _greedy(stock, prompts, 10))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -108,11 +112,8 @@ def test_lean_forward_runs_in_bf16_and_matches_the_transformers_forward():
     hf = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
                      lean_forward=False)
     assert lean.lean is not None and hf.lean is None
-    got, ref = _greedy(lean, prompts, 12), _greedy(hf, prompts, 12)
     # Same weights and rounding points; only the fused q|k|v matmul may block
     # its reduction differently from three separate ones.
-    assert [g[:3] for g in got] == [r[:3] for r in ref]
-    agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
-    assert agree >= 0.9
+    _assert_greedy_agrees(_greedy(lean, prompts, 12), _greedy(hf, prompts, 12))
     f32 = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.float32), 16, 64)
     assert f32.lean is None  # fp32 keeps the transformers forward (the parity tests' reference)

@@ -74,17 +74,19 @@ def test_online_softmax_large_logits(isa):
     assert (got - want).abs().max().item() <= 1e-4
 
 
-def test_threads_do_not_change_result(isa):
-    batch = make_batch([40, 1, 17], [10, 90, 0], hq=6, hkv=3, d=64, block_size=16, seed=4)
+def run_at_threads(batch, scale, threads):
+    """native.paged_attention with `threads` torch threads (restored after)."""
     n = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = run_native(batch, 0.125)
-        torch.set_num_threads(2)
-        two = run_native(batch, 0.125)
+        torch.set_num_threads(threads)
+        return run_native(batch, scale)
     finally:
         torch.set_num_threads(n)
-    assert torch.equal(one, two)
+
+
+def test_threads_do_not_change_result(isa):
+    batch = make_batch([40, 1, 17], [10, 90, 0], hq=6, hkv=3, d=64, block_size=16, seed=4)
+    assert torch.equal(run_at_threads(batch, 0.125, 1), run_at_threads(batch, 0.125, 2))
 
 
 def test_empty_batch_and_all_zero_queries(isa):
@@ -124,13 +126,6 @@ def test_whole_row_and_per_head_items_agree_bitwise(isa):
     thread), per-KV-head items at two; the arithmetic per head is the same."""
     batch = make_batch([1] * 6, [30, 150, 7, 513, 64, 1], hq=9, hkv=3, d=64, block_size=16,
                        dtype=torch.bfloat16, seed=6)
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        whole = run_native(batch, 0.125)
-        torch.set_num_threads(2)
-        per_head = run_native(batch, 0.125)
-    finally:
-        torch.set_num_threads(n)
+    whole, per_head = run_at_threads(batch, 0.125, 1), run_at_threads(batch, 0.125, 2)
     assert torch.equal(whole, per_head)
     assert (whole.float() - reference(batch, 0.125)).abs().max().item() <= tolerance(torch.bfloat16)
