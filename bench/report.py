@@ -123,20 +123,20 @@ def roofline_table(roof: dict) -> str:
     return _table(["projection", "M×K×N", "dtype", "GFLOP/s", "ms/call"], rows)
 
 
+def _share(v) -> str:
+    return _fmt(100 * v, 1) + " %" if v is not None and not math.isnan(v) else "–"
+
+
 def roofline_bounds_table(roof: dict) -> str:
     rows = []
     for b in roof.get("bounds", []):
         rows.append([b["dtype"], _fmt(b.get("gflops_576x1536")), _fmt(b.get("simple_bound_tok_s")),
                      _fmt(b["gflops_weighted"]), _fmt(b["decode_bound_tok_s"]),
                      _fmt(b.get("cbserve_decode_tok_s")),
-                     _fmt(100 * b["share"], 1) + " %" if b.get("share") is not None and not math.isnan(b["share"]) else "–"])
+                     _share(b.get("share"))])
     return _table(["dtype", "GFLOP/s 64×576×1536", "simple bound tok/s",
                    "GFLOP/s all shapes (FLOP-weighted)", "decode bound tok/s",
                    "cbserve decode tok/s @64", "share of bound"], rows)
-
-
-def _share(v) -> str:
-    return _fmt(100 * v, 1) + " %" if v is not None and not math.isnan(v) else "–"
 
 
 def overhead_table(ov: list[dict]) -> str:
