@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 "",
                 tab,
                 "",
-                "## Decode-sized linear layers",
+                "## Linear layers (decode and prefill row counts)",
                 "",
                 linear_kernels.__doc__.split("\n\n")[0].replace("\n", " "),
                 "",

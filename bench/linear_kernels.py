@@ -1,8 +1,8 @@
-"""Decode-sized linear layers: oneDNN's prepacked bf16 kernel (PackedLinear's
-default) vs native `skinny_linear`, over all of SmolLM2-135M's projections
-(30 layers of fused q|k|v, o, fused gate|up and down, plus the tied LM head) at
-a few rows. Every weight is a distinct tensor, so, as in a model step, the
-weights stream from memory; GB/s = weight bytes / time.
+"""Linear layers at decode and prefill row counts: oneDNN's prepacked bf16
+kernel, plain `F.linear`, native `skinny_linear` and native `amx_linear`, over
+all of SmolLM2-135M's projections (30 layers of fused q|k|v, o, fused gate|up
+and down, plus the tied LM head). Every weight is a distinct tensor, so, as in
+a model step, the weights stream from memory; GB/s = weight bytes / time.
 
 Part of `python -m bench.kernels` (docs/kernels.md).
 """
@@ -17,6 +17,8 @@ import torch
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
 LM_HEAD = (49152, 576)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+SKINNY_ROWS = 8  # skinny_linear is a decode kernel: not timed beyond this
 
 
 def _best(fn, reps: int) -> float:
@@ -29,45 +31,57 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def run(reps: int = 5, rows=(1, 2, 4, 8)) -> list[dict]:
+def _kernels(weights):
+    """name -> (max rows or None, fn(x_by_k)) for the kernels this CPU runs."""
     import native._fused as fused
 
-    if not fused.skinny_linear_supported():
+    out = {}
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    out["oneDNN prepacked"] = (None, lambda xs: [
+        torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)])
+    out["F.linear"] = (None, lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights])
+    if fused.skinny_linear_supported():
+        out["skinny_linear"] = (SKINNY_ROWS, lambda xs: [fused.skinny_linear(xs[w.shape[1]], w) for w in weights])
+    if fused.amx_linear_supported():
+        amx = [fused.amx_pack_weight(w) for w in weights]
+        out["amx_linear"] = (None, lambda xs: [
+            fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, amx)])
+    return out
+
+
+def run(reps: int = 5, rows=ROWS) -> list[dict]:
+    from executor.packed_linear import PackedLinear
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return []
     g = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS + [LM_HEAD]
     weights = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    kernels = _kernels(weights)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
+    probe = PackedLinear(torch.nn.Linear(64, 16, bias=False, dtype=torch.bfloat16))
     out = []
     with torch.inference_mode():
         for m in rows:
             xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {k for _, k in shapes}}
-
-            def onednn():
-                for w, p in zip(weights, packed):
-                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-
-            def skinny():
-                for w in weights:
-                    fused.skinny_linear(xs[w.shape[1]], w)
-
-            t_dnn, t_sk = _best(onednn, reps), _best(skinny, reps)
-            out.append({"rows": m, "onednn_ms": t_dnn * 1e3, "skinny_ms": t_sk * 1e3,
-                        "onednn_gbs": nbytes / t_dnn / 1e9, "skinny_gbs": nbytes / t_sk / 1e9,
-                        "weight_mb": nbytes / 1e6})
+            ms = {name: _best(lambda: fn(xs), reps if m <= 128 else 2) * 1e3
+                  for name, (limit, fn) in kernels.items() if limit is None or m <= limit}
+            out.append({"rows": m, "ms": ms, "weight_mb": nbytes / 1e6, "packed_linear": probe.kernel_for(m)})
     return out
 
 
 def table(rows: list[dict]) -> str:
     if not rows:
-        return "(skinny_linear needs an AVX512-BF16 CPU: not measured here)"
-    lines = ["| rows (batch) | oneDNN prepacked (ms) | skinny_linear (ms) | oneDNN GB/s | skinny GB/s | faster |",
-             "|---|---|---|---|---|---|"]
+        return "(no bf16 oneDNN on this CPU: not measured here)"
+    names = list(rows[0]["ms"])
+    lines = ["| rows (batch) | " + " | ".join(f"{n} (ms)" for n in names) + " | best GB/s | fastest | PackedLinear runs |",
+             "|---|" + "---|" * (len(names) + 3)]
     for r in rows:
-        lines.append(f"| {r['rows']} | {r['onednn_ms']:.2f} | {r['skinny_ms']:.2f} | {r['onednn_gbs']:.1f} | "
-                     f"{r['skinny_gbs']:.1f} | {'skinny' if r['skinny_ms'] < r['onednn_ms'] else 'oneDNN'} |")
+        best = min(r["ms"], key=r["ms"].get)
+        cells = [f"{r['ms'][n]:.2f}" if n in r["ms"] else "-" for n in names]
+        lines.append(f"| {r['rows']} | " + " | ".join(cells) +
+                     f" | {r['weight_mb'] / r['ms'][best]:.1f} | {best} | {r['packed_linear']} |")
     lines.append("")
-    lines.append(f"All projections of one decode step ({rows[0]['weight_mb']:.0f} MB of bf16 weights), best of "
-                 "the timed loops. PackedLinear takes skinny_linear up to `SKINNY_MAX_ROWS` rows.")
+    lines.append(f"All projections of one model step ({rows[0]['weight_mb']:.0f} MB of bf16 weights), best of "
+                 "the timed loops. '-': not timed (skinny_linear is a decode kernel).")
     return "\n".join(lines)

@@ -1,17 +1,21 @@
-"""oneDNN weight prepacking for the model's linear layers on CPU.
+"""Weight prepacking for the model's linear layers on CPU.
 
 torch's plain `F.linear` in bf16 re-lays-out the weight for the AMX/AVX-512
 kernels on every call; for decode-sized batches that costs as much as the
-matmul itself. Prepacking once at load time (the same primitive inductor uses
-when freezing a model) removes it. Modules are swapped, not rewritten: the
-transformers model code runs unchanged.
+matmul itself. Packing once at load time removes it. Modules are swapped, not
+rewritten: the transformers model code runs unchanged.
 
-At one to four rows (decode at small batch) a step streams every weight from
-memory once, and native `skinny_linear` (AVX512-BF16 dot products over the
-plain weight rows, the next rows prefetched) streams them about 25 % faster
-than oneDNN's prepacked kernel: 13.0 vs 16.2 ms for all of SmolLM2's
-projections at one row (`make bench-kernels`). Both layouts are kept; each step
-reads only one of them.
+Which kernel runs, by CPU and rows of x (`make bench-kernels` measures them):
+- AMX-BF16 CPUs (Sapphire Rapids and later): native `amx_linear` over weights
+  packed into its tile layout, up to `AMX_MAX_ROWS` rows. A decode step streams
+  every weight from memory once; this kernel streams them at 20-22 GB/s from 1
+  to 16 rows, where oneDNN's prepacked kernel reaches 13-16 (all of SmolLM2's
+  projections at 8 rows: 12.6 vs 16.9 ms). Above that (long prefill chunks),
+  plain `F.linear`, which beats both there; no oneDNN copy of the weights is
+  kept.
+- Other AVX512-BF16 CPUs: native `skinny_linear` (dot products over the plain
+  weight rows) up to `SKINNY_MAX_ROWS`, oneDNN's prepacked kernel above it.
+- Anything else bf16 with oneDNN: the prepacked kernel.
 """
 
 from __future__ import annotations
@@ -23,14 +27,29 @@ _LOGGER = structlog.get_logger(__name__)
 
 # Rows up to which `skinny_linear` beats the prepacked kernel (measured: equal at 6).
 SKINNY_MAX_ROWS = 4
+# Rows up to which `amx_linear` beats plain F.linear (measured: equal near 350).
+AMX_MAX_ROWS = 320
 
 
-def _skinny_op():
+def _fused():
     try:
         import native._fused as fused
     except ImportError:
         return None
-    return fused.skinny_linear if fused.skinny_linear_supported() else None
+    return fused
+
+
+def _skinny_op():
+    fused = _fused()
+    return fused.skinny_linear if fused is not None and fused.skinny_linear_supported() else None
+
+
+def _amx_ops():
+    """(pack, linear) of native amx_linear, or None where the CPU has no AMX-BF16."""
+    fused = _fused()
+    if fused is None or not fused.amx_linear_supported():
+        return None
+    return fused.amx_pack_weight, fused.amx_linear
 
 
 class PackedLinear(torch.nn.Module):
@@ -39,16 +58,43 @@ class PackedLinear(torch.nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         w = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        # Kept for state_dict and for the skinny path; shares storage with the model's tensor.
+        # Kept for state_dict and for the plain paths; shares storage with the model's tensor.
         self.weight = linear.weight
-        self._skinny = _skinny_op() if w.dtype == torch.bfloat16 and w.is_contiguous() else None
+        plain_bf16 = w.dtype == torch.bfloat16 and w.is_contiguous()
+        amx = _amx_ops() if plain_bf16 else None
+        self._skinny = None
+        self._amx = None
+        if amx is not None:
+            pack, self._amx = amx
+            self.packed = pack(w)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
+            self._skinny = _skinny_op() if plain_bf16 else None
+
+    @property
+    def kernel(self) -> str:
+        """Which kernel family runs: "amx", "skinny" (+ oneDNN) or "onednn"."""
+        return "amx" if self._amx is not None else "skinny" if self._skinny is not None else "onednn"
+
+    def kernel_for(self, rows: int) -> str:
+        """The kernel forward() runs for `rows` rows of (contiguous) input."""
+        if self._amx is not None:
+            return "amx_linear" if rows <= AMX_MAX_ROWS else "F.linear"
+        if self._skinny is not None and rows <= SKINNY_MAX_ROWS:
+            return "skinny_linear"
+        return "oneDNN prepacked"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self._skinny is not None and x2.shape[0] <= SKINNY_MAX_ROWS and x2.is_contiguous():
+        rows = x2.shape[0]
+        if self._amx is not None:
+            if rows <= AMX_MAX_ROWS:
+                out = self._amx(x2.contiguous(), self.packed, self.out_features, self.bias)
+            else:
+                out = torch.nn.functional.linear(x2, self.weight, self.bias)
+        elif self._skinny is not None and rows <= SKINNY_MAX_ROWS and x2.is_contiguous():
             out = self._skinny(x2, self.weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
@@ -67,9 +113,12 @@ def prepack_linears(model: torch.nn.Module, batch_hint: int = 64) -> int:
     if not supported(p.dtype, p.device):
         return 0
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
+    kernels = set()
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(mod, batch_hint))
-    _LOGGER.info("prepacked linear weights", layers=len(targets))
+        packed = PackedLinear(mod, batch_hint)
+        kernels.add(packed.kernel)
+        setattr(parent, child, packed)
+    _LOGGER.info("prepacked linear weights", layers=len(targets), kernels=sorted(kernels))
     return len(targets)

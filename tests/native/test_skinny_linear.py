@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import native._fused as fused
+from executor import packed_linear
 from executor.packed_linear import SKINNY_MAX_ROWS, PackedLinear
 
 pytestmark = pytest.mark.skipif(not fused.skinny_linear_supported(), reason="needs an AVX512-BF16 CPU")
@@ -58,8 +59,11 @@ def test_zero_rows_and_bad_arguments():
 
 
 def test_packed_linear_uses_it_for_few_rows_only(monkeypatch):
+    # As on an AVX512-BF16 CPU without AMX (where amx_linear would take these rows).
+    monkeypatch.setattr(packed_linear, "_amx_ops", lambda: None)
     lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
     packed = PackedLinear(lin)
+    assert packed.kernel == "skinny"
     calls = []
     real = packed._skinny
     monkeypatch.setattr(packed, "_skinny", lambda *a: calls.append(a[0].shape[0]) or real(*a))

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "cpu_isa.h"
+#include "amx_linear.h"
 #include "skinny_linear.h"
 
 namespace {
@@ -470,4 +471,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ weight [N, K]^T (+ bias) in bf16 for a few rows (decode), streaming the weights once; "
         "AVX512-BF16 CPUs only (see skinny_linear_supported).");
   m.def("skinny_linear_supported", &cbserve_fused::skinny_linear_supported);
+  m.def("amx_pack_weight", &cbserve_fused::amx_pack_weight, py::arg("weight"),
+        "weight [N, K] bf16 -> the zero-padded AMX tile layout amx_linear reads.");
+  m.def("amx_linear", &cbserve_fused::amx_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        "x [M, K] @ weight^T (+ bias) in bf16 on AMX tiles, weight packed by amx_pack_weight; "
+        "AMX-BF16 CPUs only (see amx_linear_supported).");
+  m.def("amx_linear_supported", &cbserve_fused::amx_linear_supported);
 }

@@ -1,0 +1,229 @@
+// y = x · wᵀ (+ bias) in bf16 on AMX tiles, for decode-sized batches.
+//
+// From 5 to a few dozen rows a decode step is still a stream over all the
+// weights (about 270 MB for SmolLM2-135M), but oneDNN's prepacked kernels read
+// them at 13-16 GB/s there, against about 23 GB/s that two cores can stream.
+// One TDPBF16PS multiplies a 16 x 32 tile of x by a 32 x 16 tile of weights,
+// so compute is a small fraction of the time and the kernel is a loop that
+// reads the packed weights front to back, two 16-feature column blocks at a
+// time, and prefetches the next two into L2 while it runs (as skinny_linear).
+//
+// The weights are packed once (amx_pack_weight) into 1 KB tiles in the
+// VNNI order the instruction reads, [N/16][K/32][16 k-pairs][16 n][2], so one
+// column block's whole K sweep is contiguous. x is copied into a
+// zero-padded [M rounded up to 16, K rounded up to 32] buffer so that every
+// tile load stays in bounds.
+
+#include "amx_linear.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_isa.h"
+
+#if CB_FUSED_X86
+#include <sys/syscall.h>
+#include <unistd.h>
+#define CB_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#endif
+
+namespace cbserve_fused {
+
+namespace {
+
+constexpr int64_t kTileN = 16;                  // output features per weight tile
+constexpr int64_t kTileK = 32;                  // K elements per tile (16 bf16 pairs)
+constexpr int64_t kTileM = 16;                  // rows of x per tile
+constexpr int64_t kTileElems = kTileK * kTileN;  // 512 bf16 = 1 KB
+
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+#if CB_FUSED_X86
+// The 64-byte operand of LDTILECFG (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool request_tile_state() {
+  // Linux keeps AMX state off until a process asks (arch_prctl
+  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); torch's oneDNN asks too.
+  constexpr int kArchReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Tiles 0-3: accumulators C[m-half][n-block]; 4-5: x rows 0-15 / 16-31;
+// 6-7: weight tiles of the two column blocks. Every tile is 16 x 64 bytes.
+CB_AMX void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Writes rows [m0, m0 + rows) x features [n0, n0 + 16) of y from one fp32
+// accumulator tile in `acc` (16 x 16), plus bias, rounded to bf16.
+CB_AMX void store_block(const float* acc, const uint16_t* bias, uint16_t* y, int64_t rows, int64_t N,
+                        int64_t n0) {
+  if (n0 >= N) return;
+  const __mmask16 nmask = static_cast<__mmask16>(N - n0 >= kTileN ? 0xFFFF : (1u << (N - n0)) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    const __m256i bb = _mm256_maskz_loadu_epi16(nmask, bias + n0);
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 s = _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileN), b);
+    _mm256_mask_storeu_epi16(y + r * N + n0, nmask, (__m256i)_mm512_cvtneps_pbh(s));
+  }
+}
+
+// Column blocks nb and nb + 1 (when `two`) for all rows of x. `pf`..`pf_end`:
+// bytes to prefetch into L2 during the first pass over K.
+CB_AMX void block_pair(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
+                       int64_t M, int64_t Mpad, int64_t Kpad, int64_t N, int64_t nb, bool two,
+                       const char* pf, const char* pf_end, int64_t pf_step) {
+  const int64_t kblocks = Kpad / kTileK;
+  const uint16_t* w0 = wp + nb * kblocks * kTileElems;
+  const uint16_t* w1 = w0 + kblocks * kTileElems;
+  const int64_t xstride = Kpad * 2;
+  alignas(64) float acc[4][kTileM * kTileN];
+  for (int64_t m0 = 0; m0 < Mpad; m0 += 2 * kTileM) {
+    const bool two_m = m0 + kTileM < Mpad;
+    const uint16_t* x0 = xp + m0 * Kpad;
+    const uint16_t* x1 = x0 + kTileM * Kpad;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      for (int64_t o = 0; o < pf_step && pf < pf_end; o += 64, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+      _tile_loadd(4, x0 + kb * kTileK, xstride);
+      _tile_loadd(6, w0 + kb * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two) {
+        _tile_loadd(7, w1 + kb * kTileElems, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (two_m) {
+        _tile_loadd(5, x1 + kb * kTileK, xstride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
+    const int64_t n0 = nb * kTileN;
+    for (int half = 0; half < (two_m ? 2 : 1); ++half) {
+      const int64_t r0 = m0 + half * kTileM;
+      const int64_t rows = std::min<int64_t>(kTileM, M - r0);
+      if (rows <= 0) continue;
+      store_block(acc[2 * half], bias, y + r0 * N, rows, N, n0);
+      if (two) store_block(acc[2 * half + 1], bias, y + r0 * N, rows, N, n0 + kTileN);
+    }
+  }
+}
+
+// Pairs [p0, p1) of column blocks on this thread, each prefetching the next.
+CB_AMX void run_pairs(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
+                      int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks, int64_t p0, int64_t p1,
+                      int64_t pf_step) {
+  const int64_t block_bytes = (Kpad / kTileK) * kTileElems * 2;
+  const char* base = reinterpret_cast<const char*>(wp);
+  const char* end = base + std::min(2 * p1, nblocks) * block_bytes;
+  load_tile_config();
+  for (int64_t p = p0; p < p1; ++p) {
+    block_pair(xp, wp, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, base + 2 * (p + 1) * block_bytes,
+               end, pf_step);
+  }
+  _tile_release();
+}
+#endif
+
+}  // namespace
+
+bool amx_linear_supported() {
+#if CB_FUSED_X86
+  static const bool ok = has_avx512_bf16() && __builtin_cpu_supports("amx-tile") &&
+                         __builtin_cpu_supports("amx-bf16") && request_tile_state();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor amx_pack_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "weight must be a CPU bf16 [N, K] tensor");
+  TORCH_CHECK(weight.size(0) > 0 && weight.size(1) > 0, "weight must not be empty");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t Npad = round_up(N, kTileN), Kpad = round_up(K, kTileK);
+  auto padded = torch::zeros({Npad, Kpad}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  // [nb, n, kb, kpair, 2] -> [nb, kb, kpair, n, 2]
+  return padded.view({Npad / kTileN, kTileN, Kpad / kTileK, kTileK / 2, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+}
+
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                         const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(amx_linear_supported(), "amx_linear needs an AMX-BF16 CPU");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "amx_linear is bf16 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t Mpad = round_up(std::max<int64_t>(M, 1), kTileM), Kpad = round_up(K, kTileK);
+  const int64_t nblocks = round_up(N, kTileN) / kTileN;
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 5 && packed.size(0) == nblocks &&
+                  packed.size(1) == Kpad / kTileK && packed.size(2) == kTileK / 2 && packed.size(3) == kTileN &&
+                  packed.size(4) == 2,
+              "packed must come from amx_pack_weight of an [out_features, K] weight");
+  const uint16_t* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1 &&
+                    bias->size(0) == N,
+                "bias must be a contiguous bf16 [out_features] tensor");
+    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#if CB_FUSED_X86
+  // Zero-padded copy of x: tile loads read whole 16 x 32 tiles.
+  auto xpad_t = torch::empty({Mpad, Kpad}, x.options());
+  auto* xp = reinterpret_cast<uint16_t*>(xpad_t.data_ptr<c10::BFloat16>());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  for (int64_t r = 0; r < Mpad; ++r) {
+    uint16_t* dst = xp + r * Kpad;
+    if (r < M) {
+      std::memcpy(dst, xs + r * K, K * 2);
+      std::memset(dst + K, 0, (Kpad - K) * 2);
+    } else {
+      std::memset(dst, 0, Kpad * 2);
+    }
+  }
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+  const int64_t pairs = (nblocks + 1) / 2;
+  const int64_t pair_bytes = 2 * (Kpad / kTileK) * kTileElems * 2;
+  // Prefetch the next pair's tiles spread over all passes through K.
+  const int64_t passes = (Mpad + 2 * kTileM - 1) / (2 * kTileM);
+  const int64_t pf_step = round_up(pair_bytes / (Kpad / kTileK * passes), 64);
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, p0, p1, pf_step);
+  });
+#endif
+  return y;
+}
+
+}  // namespace cbserve_fused

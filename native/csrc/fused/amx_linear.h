@@ -1,0 +1,20 @@
+// bf16 linear layer on AMX tiles (amx_linear.cpp), bound in fused_ops.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace cbserve_fused {
+
+// Whether this CPU (and kernel) runs AMX-BF16 code; asks Linux for the tile
+// state on first use.
+bool amx_linear_supported();
+
+// weight [N, K] bf16 -> the tile layout amx_linear reads:
+// [ceil(N/16), ceil(K/32), 16, 16, 2], zero-padded.
+torch::Tensor amx_pack_weight(const torch::Tensor& weight);
+
+// y [M, N] = x [M, K] · weightᵀ (+ bias [N]), bf16, with `packed` from amx_pack_weight.
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                         const c10::optional<torch::Tensor>& bias);
+
+}  // namespace cbserve_fused

@@ -1,0 +1,100 @@
+"""native._fused.amx_linear: the bf16 linear layer on AMX tiles, against an
+fp32 reference and oneDNN, its weight layout, and PackedLinear's dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import native._fused as fused
+from executor import packed_linear
+from executor.packed_linear import AMX_MAX_ROWS, PackedLinear
+
+pytestmark = pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")
+
+
+def _reference(x, w, b=None):
+    y = x.float() @ w.float().T
+    return y if b is None else y + b.float()
+
+
+# Rows: one tile, a tile pair, several passes over K with a partial last tile;
+# shapes: SmolLM2's, and odd ones that pad N to 16 and K to 32.
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 70])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (17, 64), (50, 40), (1, 33), (33, 1), (16, 32)])
+def test_matches_fp32_reference_up_to_bf16_rounding(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = fused.amx_pack_weight(w)
+    for bias in (None, b):
+        got = fused.amx_linear(x, packed, n, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), _reference(x, w, bias), rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+
+
+def test_packed_layout_is_vnni_tiles_zero_padded():
+    w = torch.arange(20 * 40, dtype=torch.float32).reshape(20, 40).bfloat16()
+    p = fused.amx_pack_weight(w)
+    assert p.shape == (2, 2, 16, 16, 2)  # ceil(20/16) column blocks x ceil(40/32) K blocks
+    # Tile (nb, kb), row kp, column n, pair j holds w[16 nb + n, 32 kb + 2 kp + j].
+    assert p[1, 0, 3, 2, 1] == w[18, 7]
+    assert p[0, 1, 2, 5, 0] == w[5, 36]
+    assert p[1, 1, :, 4:].abs().sum() == 0  # features 20..31 padded
+    assert p[0, 1, 4:].abs().sum() == 0  # K 40..63 padded
+
+
+def test_agrees_with_onednn_on_the_lm_head():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 576, generator=g).bfloat16()
+    w = torch.randn(49152, 576, generator=g).bfloat16() * 0.05
+    got = fused.amx_linear(x, fused.amx_pack_weight(w), 49152, None)
+    want = torch.nn.functional.linear(x, w)
+    assert (got == want).float().mean().item() > 0.9
+    assert torch.equal(got.float().argmax(-1), want.float().argmax(-1))
+
+
+def test_zero_rows_and_bad_arguments():
+    w = torch.randn(8, 32).bfloat16()
+    p = fused.amx_pack_weight(w)
+    assert fused.amx_linear(torch.empty(0, 32, dtype=torch.bfloat16), p, 8).shape == (0, 8)
+    with pytest.raises(RuntimeError, match="bf16"):
+        fused.amx_linear(torch.randn(1, 32), p, 8)
+    with pytest.raises(RuntimeError, match="amx_pack_weight"):
+        fused.amx_linear(torch.randn(1, 64).bfloat16(), p, 8)  # K of another weight
+    with pytest.raises(RuntimeError, match="amx_pack_weight"):
+        fused.amx_linear(torch.randn(1, 32).bfloat16(), p, 40)  # out_features of another weight
+    with pytest.raises(RuntimeError, match="contiguous"):
+        fused.amx_linear(torch.randn(32, 2).bfloat16().T, p, 8)
+    with pytest.raises(RuntimeError, match="bias"):
+        fused.amx_linear(torch.randn(1, 32).bfloat16(), p, 8, torch.randn(7).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16"):
+        fused.amx_pack_weight(torch.randn(8, 32))
+
+
+def test_packed_linear_takes_amx_up_to_its_row_limit(monkeypatch):
+    lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert packed.kernel == "amx"
+    calls = []
+    real = packed._amx
+    monkeypatch.setattr(packed, "_amx", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        for rows in (1, 7, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+            x = torch.randn(rows, 64).bfloat16()
+            torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+        # A strided input (a view) is made contiguous, not rejected.
+        x = torch.randn(64, 6).bfloat16().T
+        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+    assert calls == [1, 7, AMX_MAX_ROWS, 6]
+
+
+def test_without_amx_packed_linear_falls_back(monkeypatch):
+    monkeypatch.setattr(packed_linear, "_amx_ops", lambda: None)
+    lin = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert packed.kernel in ("skinny", "onednn")
+    x = torch.randn(9, 64).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
