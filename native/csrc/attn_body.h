@@ -19,6 +19,7 @@
 
 #include "half_utils.h"
 #include "kernels.h"
+#include "kv_prefetch.h"
 
 #define CB_UNROLL _Pragma("GCC unroll 16")
 
@@ -156,10 +157,11 @@ static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv,
 // `tmp` is [16, DP] fp32 staging whose [D, DP) columns are zero.
 static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, const char* base,
                                      const int64_t* offs, int64_t n, int dtype, int64_t D, float* S,
-                                     int64_t lds, float* tmp) {
+                                     int64_t lds, float* tmp, KvPrefetch& pf) {
   const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
   const int64_t DP = round_up(D, kPad);
   for (int64_t t = 0; t < n; ++t) {
+    pf.step();
     float* kr = tmp + t * DP;
     V::to_f32(base + offs[t] * es, dtype, kr, D);
     for (int64_t r = 0; r < M; ++r) {
@@ -172,11 +174,12 @@ static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, con
 
 static inline void dec_pv_simple(const float* P, int64_t ldp, int64_t M, const char* base,
                                  const int64_t* offs, int64_t n, int dtype, int64_t D, float* A,
-                                 int64_t lda, float* tmp) {
+                                 int64_t lda, float* tmp, KvPrefetch& pf) {
   const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
   const int64_t DP = round_up(D, kPad);
   float* vr = tmp;
   for (int64_t t = 0; t < n; ++t) {
+    pf.step();
     V::to_f32(base + offs[t] * es, dtype, vr, D);
     for (int64_t r = 0; r < M; ++r) {
       const float pt = P[r * ldp + t];
@@ -263,9 +266,6 @@ static inline void prefetch_row(const char* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
-// Decode: K and V rows are prefetched this many tokens ahead of the scores.
-constexpr int64_t kDecPrefetch = 32;
-
 #ifndef CB_DEC_SCORES
 #define CB_DEC_SCORES dec_scores_simple
 #endif
@@ -276,9 +276,31 @@ constexpr int64_t kDecPrefetch = 32;
 static_assert(cbserve_native::kDecodeMaxRows <= 16, "mrow/lrow hold 16 floats each");
 static_assert(cbserve_native::kDecodeChunk % 16 == 0, "chunk");
 
-static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scratch) {
-  const int64_t D = p.head_dim, bs = p.block_size, hq = p.hq, hkv = p.hkv;
-  const int64_t G = hq / hkv, h0 = it.kv_head, nh = it.n_heads;
+// Element offsets of tokens [c0, c0 + n)'s cache rows at item `it`'s first
+// KV head (walked without divisions); head j of the item is j * D further.
+static inline void item_offsets(const AttnParams& p, const AttnItem& it, int64_t c0, int64_t n, int64_t* o) {
+  const int64_t bs = p.block_size;
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  for (int64_t t = 0, blk = c0 / bs, in_blk = c0 % bs; t < n; ++t) {
+    o[t] = ((int64_t(table[blk]) * bs + in_blk) * p.hkv + it.kv_head) * p.head_dim;
+    if (++in_blk == bs) in_blk = 0, ++blk;
+  }
+}
+
+// Exclusive end of the KV range any row of the item sees.
+static inline int64_t item_kv_end(const AttnParams& p, const AttnItem& it) {
+  const int64_t q_len = p.cu_seqlens[it.seq + 1] - p.cu_seqlens[it.seq];
+  return p.seq_lens[it.seq] - q_len + it.q_end;
+}
+
+static inline bool is_decode_item(const AttnParams& p, const AttnItem& it) {
+  return cbserve_native::item_rows(it, p.hq / p.hkv) <= cbserve_native::kDecodeMaxRows;
+}
+
+static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
+                             float* scratch) {
+  const int64_t D = p.head_dim, hq = p.hq, hkv = p.hkv;
+  const int64_t G = hq / hkv, nh = it.n_heads;
   const int dtype = p.dtype;
   const int64_t esize = dtype == cbserve_native::kF32 ? 4 : 2;
   const int64_t q0 = p.cu_seqlens[it.seq];
@@ -295,45 +317,57 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
   float* lrow = mrow + 16;      // [M]      running sum (M <= 16; keeps S 64-byte aligned)
   float* S = lrow + 16;         // [M, CH]  scores, then probabilities of one chunk
   float* tmp = S + M * CH;      // [16, DP] staging for the group kernels
-  int64_t* offs = reinterpret_cast<int64_t*>(tmp + 16 * DP);  // [CH] token row offsets
-  // The item's heads are adjacent in a token's cache row: prefetch them as one span.
-  const int64_t rowb = nh * D * esize, headb = D * esize;
+  // Token row offsets of this chunk and of the next one (being prefetched).
+  int64_t* offs = reinterpret_cast<int64_t*>(tmp + 16 * DP);  // [CH]
+  int64_t* offs_next = offs + CH;                              // [CH]
   for (int64_t t = 0; t < 16; ++t)
     for (int64_t d = D; d < DP; ++d) tmp[t * DP + d] = 0.f;
 
   init_rows(p, it, Qf, Acc, mrow, lrow, DP);
 
-  const int64_t kv_hi = ctx + it.q_end;  // exclusive end of the KV range any row sees
-  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  const int64_t kv_hi = item_kv_end(p, it);
   const char* kc = static_cast<const char*>(p.key_cache);
   const char* vc = static_cast<const char*>(p.value_cache);
   const float ninf = -__builtin_inff();
+  // The item's heads are adjacent in a token's cache row: prefetch them as one span.
+  KvPrefetch pf;
+  pf.kc = kc;
+  pf.vc = vc;
+  pf.es = esize;
+  const int64_t headb = D * esize;
+  const bool prefetch_next = next != nullptr && is_decode_item(p, *next);
+  bool did_next = false;
+
+  // Blocks are scattered, so the hardware prefetcher cannot follow: each
+  // chunk is requested while the previous one computes (the first one while
+  // the thread's previous item finished, or else up front).
+  item_offsets(p, it, 0, cb_min(CH, kv_hi), offs);
+  if (!prefetched) {
+    pf.rowb = nh * D * esize;
+    pf.reset(offs, cb_min(CH, kv_hi), 1);
+    pf.finish();
+  }
 
   for (int64_t c0 = 0; c0 < kv_hi; c0 += CH) {
     const int64_t n = cb_min(CH, kv_hi - c0);
-    // Element offsets of the chunk's token rows at the item's first head
-    // (walked without divisions); head j of the item is j * D further.
-    for (int64_t t = 0, blk = c0 / bs, in_blk = c0 % bs; t < n; ++t) {
-      offs[t] = ((int64_t(table[blk]) * bs + in_blk) * hkv + h0) * D;
-      if (++in_blk == bs) in_blk = 0, ++blk;
+    int64_t n1 = cb_max(0, cb_min(CH, kv_hi - c0 - CH));
+    const int64_t visits = 2 * nh * n;  // the score and P.V loops step once per (token, head)
+    if (n1 > 0) {
+      item_offsets(p, it, c0 + CH, n1, offs_next);
+      pf.rowb = nh * D * esize;
+    } else if (prefetch_next) {  // last chunk: the next item's first one
+      n1 = cb_min(CH, item_kv_end(p, *next));
+      item_offsets(p, *next, 0, n1, offs_next);
+      pf.rowb = next->n_heads * D * esize;
+      did_next = true;
     }
-    // Blocks are scattered, so the hardware prefetcher cannot follow: keep
-    // the K and V rows kDecPrefetch tokens ahead in flight (V is used after
-    // the chunk's softmax).
-    for (int64_t t = 0; t < cb_min(n, kDecPrefetch); ++t) {
-      prefetch_row(kc + offs[t] * esize, rowb);
-      prefetch_row(vc + offs[t] * esize, rowb);
-    }
+    pf.reset(offs_next, n1, (n1 * ((pf.rowb + 63) / 64) + visits - 1) / visits);
     // Scores of the chunk, 16 tokens at a time, all heads of a token group together.
     for (int64_t g0 = 0; g0 < n; g0 += 16) {
       const int64_t gn = cb_min(16, n - g0);
-      for (int64_t t = g0 + kDecPrefetch; t < cb_min(n, g0 + kDecPrefetch + 16); ++t) {
-        prefetch_row(kc + offs[t] * esize, rowb);
-        prefetch_row(vc + offs[t] * esize, rowb);
-      }
       for (int64_t j = 0; j < nh; ++j)
         CB_DEC_SCORES(Qf + j * Mh * DP, DP, Mh, kc + j * headb, offs + g0, gn, dtype, D,
-                      S + j * Mh * CH + g0, CH, tmp);
+                      S + j * Mh * CH + g0, CH, tmp, pf);
     }
     // Exact softmax over the chunk, rescaling the running state once per chunk.
     const int64_t ncols = (n + V::W - 1) / V::W * V::W;
@@ -350,18 +384,21 @@ static void attn_decode_impl(const AttnParams& p, const AttnItem& it, float* scr
     }
     // P.V, streaming V rows.
     for (int64_t j = 0; j < nh; ++j)
-      CB_DEC_PV(S + j * Mh * CH, CH, Mh, vc + j * headb, offs, n, dtype, D, Acc + j * Mh * DP, DP, tmp);
+      CB_DEC_PV(S + j * Mh * CH, CH, Mh, vc + j * headb, offs, n, dtype, D, Acc + j * Mh * DP, DP, tmp, pf);
+    pf.finish();
+    int64_t* swap = offs;
+    offs = offs_next;
+    offs_next = swap;
   }
 
   store_rows(p, it, Acc, lrow, DP);
+  return did_next;
 }
 
 // ------------------------------------------------------------- tiled path ---
-static void attn_item_impl(const AttnParams& p, const AttnItem& it, float* scratch) {
-  if (cbserve_native::item_rows(it, p.hq / p.hkv) <= cbserve_native::kDecodeMaxRows) {
-    attn_decode_impl(p, it, scratch);
-    return;
-  }
+static bool attn_item_impl(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
+                           float* scratch) {
+  if (is_decode_item(p, it)) return attn_decode_impl(p, it, next, prefetched, scratch);
   const int64_t D = p.head_dim, bs = p.block_size, hq = p.hq, hkv = p.hkv;
   const int64_t G = hq / hkv, h = it.kv_head;
   const int dtype = p.dtype;
@@ -372,7 +409,7 @@ static void attn_item_impl(const AttnParams& p, const AttnItem& it, float* scrat
   const int64_t ctx = kv_len - q_len;  // position of the sequence's first query token
   const int64_t nq = it.q_end - it.q_begin;
   const int64_t M = nq * G;
-  if (M <= 0) return;
+  if (M <= 0) return false;
   const int64_t KT = cbserve_native::kv_tile(bs, M);
   const int64_t DP = round_up(D, kPad), NP = round_up(KT, kPad);
 
@@ -452,6 +489,7 @@ static void attn_item_impl(const AttnParams& p, const AttnItem& it, float* scrat
   }
 
   store_rows(p, it, Acc, lrow, DP);
+  return false;
 }
 
 // Portable helpers a V can reuse.

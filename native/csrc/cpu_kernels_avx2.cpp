@@ -118,8 +118,9 @@ struct V {
 #include "attn_body.h"
 
 namespace cbserve_native {
-void attn_item_avx2(const AttnParams& p, const AttnItem& it, float* scratch) {
-  attn_item_impl(p, it, scratch);
+bool attn_item_avx2(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
+                     float* scratch) {
+  return attn_item_impl(p, it, next, prefetched, scratch);
 }
 }  // namespace cbserve_native
 
@@ -136,6 +137,6 @@ namespace cbserve_native {
 bool have_avx2_kernels() { return true; }
 #else
 bool have_avx2_kernels() { return false; }
-void attn_item_avx2(const AttnParams&, const AttnItem&, float*) {}
+bool attn_item_avx2(const AttnParams&, const AttnItem&, const AttnItem*, bool, float*) { return false; }
 #endif
 }  // namespace cbserve_native

@@ -17,6 +17,7 @@
 
 #include "avx512_hsum.h"
 #include "half_utils.h"
+#include "kv_prefetch.h"
 
 namespace {
 
@@ -191,7 +192,7 @@ static inline void load32f(const float* p, int64_t left, __m512& x0, __m512& x1)
 // transpose-add trees, 4 tokens at a time.
 template <int NP, int DT, int RS>
 static inline void dec_scores_rows(const float* qb, const char* base, const int64_t* offs, int64_t n,
-                                   const __mmask32* m, float* S, int64_t lds) {
+                                   const __mmask32* m, float* S, int64_t lds, KvPrefetch& pf) {
   constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
   constexpr int NV = 2 * NP;
   __m512 c[RS][4];
@@ -199,6 +200,7 @@ static inline void dec_scores_rows(const float* qb, const char* base, const int6
     __m512 a[RS][4];
     for (int i = 0; i < 4; ++i) {
       const int64_t t = 4 * j + i < n ? 4 * j + i : n - 1;  // lanes >= n are not stored
+      if (4 * j + i < n) pf.step();
       const char* k = base + offs[t] * es;
       __m512 x[NV];
       for (int pc = 0; pc < NP; ++pc) load32t<DT>(k + pc * 32 * es, m[pc], x[2 * pc], x[2 * pc + 1]);
@@ -217,7 +219,7 @@ static inline void dec_scores_rows(const float* qb, const char* base, const int6
 // Dispatch shim: NC = 16-lane chunks of D, NP = 32-element pairs.
 template <int NC, int DT>
 static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
-                         int64_t n, int64_t D, float* S, int64_t lds) {
+                         int64_t n, int64_t D, float* S, int64_t lds, KvPrefetch& pf) {
   constexpr int NP = (NC + 1) / 2, NV = 2 * NP;
   __mmask32 m[NP];
   for (int pc = 0; pc < NP; ++pc) {
@@ -238,12 +240,12 @@ static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* bas
   constexpr int RS = NP <= 2 ? 3 : 2;
   int64_t r0 = 0;
   for (; r0 + RS <= M; r0 += RS)
-    dec_scores_rows<NP, DT, RS>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds);
+    dec_scores_rows<NP, DT, RS>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
   if (M - r0 == 2 && RS > 2) {
-    dec_scores_rows<NP, DT, 2>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds);
+    dec_scores_rows<NP, DT, 2>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
     return;
   }
-  for (; r0 < M; ++r0) dec_scores_rows<NP, DT, 1>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds);
+  for (; r0 < M; ++r0) dec_scores_rows<NP, DT, 1>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
 }
 
 // A[r] += sum_t P[r*ldp + t] * V_t over a whole chunk of tokens: V rows are
@@ -252,7 +254,8 @@ static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* bas
 // written once.
 template <int NP, int DT, int RT>
 static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, const int64_t* offs,
-                               int64_t n, int64_t D, const __mmask32* m, float* A, int64_t lda) {
+                               int64_t n, int64_t D, const __mmask32* m, float* A, int64_t lda,
+                               KvPrefetch& pf) {
   constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
   constexpr int NV = 2 * NP;
   const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -261,6 +264,7 @@ static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, co
   for (int r = 0; r < RT; ++r)
     for (int pc = 0; pc < NP; ++pc) load32f<DT>(A + r * lda + pc * 32, D - pc * 32, acc[r][2 * pc], acc[r][2 * pc + 1]);
   for (int64_t t = 0; t < n; ++t) {
+    pf.step();
     const char* v = base + offs[t] * es;
     __m512 x[NV];
     for (int pc = 0; pc < NP; ++pc) load32t<DT>(v + pc * 32 * es, m[pc], x[2 * pc], x[2 * pc + 1]);
@@ -285,7 +289,7 @@ static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, co
 
 template <int NC, int DT>
 static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, const int64_t* offs,
-                     int64_t n, int64_t D, float* A, int64_t lda) {
+                     int64_t n, int64_t D, float* A, int64_t lda, KvPrefetch& pf) {
   constexpr int NP = (NC + 1) / 2, NV = 2 * NP;
   // rt * NV accumulators + NV values + 1 broadcast <= 32 registers.
   constexpr int RT = (31 / NV - 1) < 4 ? (31 / NV - 1) : 4;
@@ -296,16 +300,16 @@ static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, c
   }
   int64_t r0 = 0;
   for (; r0 + RT <= M; r0 += RT)
-    dec_pv_rows<NP, DT, RT>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda);
+    dec_pv_rows<NP, DT, RT>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda, pf);
   // The remaining rows in one pass too (e.g. the 3 query heads of a GQA
   // group): one pass per row would convert each V row again and leave one
   // FMA chain per accumulator, latency-bound.
   const float* pr = P + r0 * ldp;
   float* ar = A + r0 * lda;
   switch (M - r0) {
-    case 1: dec_pv_rows<NP, DT, 1>(pr, ldp, base, offs, n, D, m, ar, lda); break;
-    case 2: if constexpr (RT > 2) dec_pv_rows<NP, DT, 2>(pr, ldp, base, offs, n, D, m, ar, lda); break;
-    case 3: if constexpr (RT > 3) dec_pv_rows<NP, DT, 3>(pr, ldp, base, offs, n, D, m, ar, lda); break;
+    case 1: dec_pv_rows<NP, DT, 1>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
+    case 2: if constexpr (RT > 2) dec_pv_rows<NP, DT, 2>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
+    case 3: if constexpr (RT > 3) dec_pv_rows<NP, DT, 3>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
     default: break;
   }
 }
@@ -331,14 +335,14 @@ static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, c
 
 static inline bool dec_scores_fast(const float* Q, int64_t ldq, int64_t M, const char* base,
                                    const int64_t* offs, int64_t n, int dtype, int64_t D, float* S,
-                                   int64_t lds, float* tmp) {
+                                   int64_t lds, float* tmp, KvPrefetch& pf) {
   (void)tmp;
-  CB_DEC_DISPATCH(dec_scores_k, Q, ldq, M, base, offs, n, D, S, lds);
+  CB_DEC_DISPATCH(dec_scores_k, Q, ldq, M, base, offs, n, D, S, lds, pf);
 }
 static inline bool dec_pv_fast(const float* P, int64_t ldp, int64_t M, const char* base,
                                const int64_t* offs, int64_t n, int dtype, int64_t D, float* A,
-                               int64_t lda) {
-  CB_DEC_DISPATCH(dec_pv_k, P, ldp, M, base, offs, n, D, A, lda);
+                               int64_t lda, KvPrefetch& pf) {
+  CB_DEC_DISPATCH(dec_pv_k, P, ldp, M, base, offs, n, D, A, lda, pf);
 }
 #undef CB_DEC_DISPATCH
 #undef CB_DEC_CASE
@@ -347,20 +351,21 @@ static inline bool dec_pv_fast(const float* P, int64_t ldp, int64_t M, const cha
 }  // namespace
 
 // head_dim <= 128 uses the AVX-512 group kernels, larger ones the portable ones.
-#define CB_DEC_SCORES(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp)          \
-  (dec_scores_fast(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp)             \
+#define CB_DEC_SCORES(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp, pf)      \
+  (dec_scores_fast(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp, pf)         \
        ? void()                                                                  \
-       : dec_scores_simple(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp))
-#define CB_DEC_PV(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp)              \
-  (dec_pv_fast(P, ldp, M, base, offs, n, dtype, D, A, lda)                      \
+       : dec_scores_simple(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp, pf))
+#define CB_DEC_PV(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp, pf)          \
+  (dec_pv_fast(P, ldp, M, base, offs, n, dtype, D, A, lda, pf)                  \
        ? void()                                                                  \
-       : dec_pv_simple(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp))
+       : dec_pv_simple(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp, pf))
 
 #include "attn_body.h"
 
 namespace cbserve_native {
-void attn_item_avx512(const AttnParams& p, const AttnItem& it, float* scratch) {
-  attn_item_impl(p, it, scratch);
+bool attn_item_avx512(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
+                     float* scratch) {
+  return attn_item_impl(p, it, next, prefetched, scratch);
 }
 }  // namespace cbserve_native
 
@@ -377,6 +382,6 @@ namespace cbserve_native {
 bool have_avx512_kernels() { return true; }
 #else
 bool have_avx512_kernels() { return false; }
-void attn_item_avx512(const AttnParams&, const AttnItem&, float*) {}
+bool attn_item_avx512(const AttnParams&, const AttnItem&, const AttnItem*, bool, float*) { return false; }
 #endif
 }  // namespace cbserve_native

@@ -42,7 +42,8 @@ struct V {
 #include "attn_body.h"
 
 namespace cbserve_native {
-void attn_item_generic(const AttnParams& p, const AttnItem& it, float* scratch) {
-  attn_item_impl(p, it, scratch);
+bool attn_item_generic(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
+                     float* scratch) {
+  return attn_item_impl(p, it, next, prefetched, scratch);
 }
 }  // namespace cbserve_native

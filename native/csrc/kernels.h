@@ -66,14 +66,14 @@ inline int64_t kv_tile(int64_t block_size, int64_t rows) {
 // time, and keep an exact softmax over chunks of kDecodeChunk tokens (online
 // rescaling only between chunks).
 constexpr int64_t kDecodeMaxRows = 16;
-constexpr int64_t kDecodeChunk = 512;  // multiple of 16
+constexpr int64_t kDecodeChunk = 16;  // multiple of 16
 
 inline int64_t decode_scratch_floats(int64_t head_dim) {
   const int64_t dp = round_up(head_dim, kPad);
   // Q, Acc [rows, dp]; max, sum [rows]; S [rows, chunk]; K/V staging [16, dp];
-  // int64 row offsets [chunk].
+  // int64 row offsets [2, chunk].
   return 2 * kDecodeMaxRows * dp + 2 * kDecodeMaxRows + kDecodeMaxRows * kDecodeChunk + 16 * dp +
-         2 * kDecodeChunk + 4 * kPad;
+         4 * kDecodeChunk + 4 * kPad;
 }
 
 // Floats of scratch memory an item with at most `max_rows` (tokens x group)
@@ -94,11 +94,15 @@ struct CacheParams {
   int64_t row_bytes;            // Hkv * D * element size
 };
 
-using AttnItemFn = void (*)(const AttnParams&, const AttnItem&, float* scratch);
+// Runs one item. `next` (may be null) is the item this thread runs after it:
+// a decode item prefetches the start of next's KV during its last chunk and
+// returns true when it did; `prefetched` passes that on to the next call.
+using AttnItemFn = bool (*)(const AttnParams&, const AttnItem& it, const AttnItem* next, bool prefetched,
+                            float* scratch);
 
-void attn_item_generic(const AttnParams&, const AttnItem&, float* scratch);
-void attn_item_avx2(const AttnParams&, const AttnItem&, float* scratch);
-void attn_item_avx512(const AttnParams&, const AttnItem&, float* scratch);
+bool attn_item_generic(const AttnParams&, const AttnItem&, const AttnItem*, bool, float* scratch);
+bool attn_item_avx2(const AttnParams&, const AttnItem&, const AttnItem*, bool, float* scratch);
+bool attn_item_avx512(const AttnParams&, const AttnItem&, const AttnItem*, bool, float* scratch);
 // Whether the ISA translation unit was compiled in (x86-64 with GCC/Clang).
 bool have_avx2_kernels();
 bool have_avx512_kernels();

@@ -402,8 +402,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     std::vector<float> scratch(size_t(scratch_floats) + 16);
     float* sp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
     for (int64_t w = wb; w < we; ++w) {
-      for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;)
-        fn(p, items[order[k]], sp);
+      // Each thread claims its next item before running the current one, so
+      // the current one can prefetch the next one's first KV blocks.
+      bool prefetched = false;
+      for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n_items;) {
+        const int64_t k2 = next.fetch_add(1, std::memory_order_relaxed);
+        const AttnItem* nx = k2 < n_items ? &items[order[k2]] : nullptr;
+        prefetched = fn(p, items[order[k]], nx, prefetched, sp);
+        k = k2;
+      }
     }
   });
 }
