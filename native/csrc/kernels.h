@@ -79,6 +79,7 @@ inline int64_t decode_scratch_floats(int64_t head_dim) {
 // Floats of scratch memory an item with at most `max_rows` (tokens x group)
 // rows needs; the caller allocates it once per thread.
 inline int64_t attn_scratch_floats(int64_t max_rows, int64_t head_dim, int64_t block_size) {
+  if (max_rows <= kDecodeMaxRows) return decode_scratch_floats(head_dim);  // decode path only
   const int64_t dp = round_up(head_dim, kPad), np = round_up(kv_tile(block_size, 1 << 30), kPad);
   const int64_t tiled = 2 * max_rows * dp + 3 * max_rows + max_rows * np + 2 * dp * np + 4 * kPad;
   const int64_t dec = decode_scratch_floats(head_dim);
