@@ -86,8 +86,8 @@ class PackedLinear(torch.nn.Module):
         return "oneDNN prepacked"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        flat = x.dim() == 2  # the lean forward's [T, H]: no reshapes on the per-step path
+        x2 = x if flat else x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if self._amx is not None:
             if rows <= AMX_MAX_ROWS:
@@ -98,7 +98,7 @@ class PackedLinear(torch.nn.Module):
             out = self._skinny(x2, self.weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-        return out.reshape(*shape[:-1], self.out_features)
+        return out if flat else out.reshape(*x.shape[:-1], self.out_features)
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
