@@ -293,10 +293,6 @@ static inline int64_t item_kv_end(const AttnParams& p, const AttnItem& it) {
   return p.seq_lens[it.seq] - q_len + it.q_end;
 }
 
-static inline bool is_decode_item(const AttnParams& p, const AttnItem& it) {
-  return cbserve_native::item_rows(it, p.hq / p.hkv) <= cbserve_native::kDecodeMaxRows;
-}
-
 static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
                              float* scratch) {
   const int64_t D = p.head_dim, hq = p.hq, hkv = p.hkv;
@@ -335,7 +331,7 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
   pf.vc = vc;
   pf.es = esize;
   const int64_t headb = D * esize;
-  const bool prefetch_next = next != nullptr && is_decode_item(p, *next);
+  const bool prefetch_next = next != nullptr && cbserve_native::is_decode_item(*next, G);
   bool did_next = false;
 
   // Blocks are scattered, so the hardware prefetcher cannot follow: each
@@ -398,7 +394,7 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
 // ------------------------------------------------------------- tiled path ---
 static bool attn_item_impl(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
                            float* scratch) {
-  if (is_decode_item(p, it)) return attn_decode_impl(p, it, next, prefetched, scratch);
+  if (cbserve_native::is_decode_item(it, p.hq / p.hkv)) return attn_decode_impl(p, it, next, prefetched, scratch);
   const int64_t D = p.head_dim, bs = p.block_size, hq = p.hq, hkv = p.hkv;
   const int64_t G = hq / hkv, h = it.kv_head;
   const int dtype = p.dtype;

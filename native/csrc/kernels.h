@@ -68,6 +68,9 @@ inline int64_t kv_tile(int64_t block_size, int64_t rows) {
 constexpr int64_t kDecodeMaxRows = 16;
 constexpr int64_t kDecodeChunk = 16;  // multiple of 16
 
+// Whether an item takes the decode path (few query rows) rather than the tiled one.
+inline bool is_decode_item(const AttnItem& it, int64_t group) { return item_rows(it, group) <= kDecodeMaxRows; }
+
 inline int64_t decode_scratch_floats(int64_t head_dim) {
   const int64_t dp = round_up(head_dim, kPad);
   // Q, Acc [rows, dp]; max, sum [rows]; S [rows, chunk]; K/V staging [16, dp];

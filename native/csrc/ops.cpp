@@ -408,14 +408,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     if (scratch.size() < size_t(scratch_floats) + 16) scratch.resize(size_t(scratch_floats) + 16);
     float* sp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
     for (int64_t w = wb; w < we; ++w) {
-      // Each thread claims its next item before running the current one, so
-      // the current one can prefetch the next one's first KV blocks.
+      // A decode item claims the thread's next item before it runs, so it can
+      // prefetch that item's first KV blocks; only while enough items remain
+      // that no other thread is left without one (few big prefill items must
+      // still spread over the threads).
       bool prefetched = false;
       for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n_items;) {
-        const int64_t k2 = next.fetch_add(1, std::memory_order_relaxed);
-        const AttnItem* nx = k2 < n_items ? &items[order[k2]] : nullptr;
-        prefetched = fn(p, items[order[k]], nx, prefetched, sp);
-        k = k2;
+        const AttnItem& it = items[order[k]];
+        const bool ahead = is_decode_item(it, G) && k + n_workers < n_items;
+        const int64_t k2 = ahead ? next.fetch_add(1, std::memory_order_relaxed) : n_items;
+        prefetched = fn(p, it, k2 < n_items ? &items[order[k2]] : nullptr, prefetched, sp);
+        k = ahead ? k2 : next.fetch_add(1, std::memory_order_relaxed);
       }
     }
   });
