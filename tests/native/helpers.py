@@ -87,3 +87,17 @@ def reference(batch, scale):
 
 def tolerance(dtype):
     return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+def record_rows(monkeypatch, module, attr: str) -> list[int]:
+    """Wraps the kernel `module.<attr>` (a PackedLinear's) so that each call
+    appends its input's row count to the returned list, then runs it."""
+    calls: list[int] = []
+    real = getattr(module, attr)
+
+    def spy(x, *args):
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(module, attr, spy)
+    return calls

@@ -9,6 +9,7 @@ import torch
 import native._fused as fused
 from executor import packed_linear
 from executor.packed_linear import AMX_MAX_ROWS, PackedLinear
+from tests.native.helpers import record_rows
 
 pytestmark = pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")
 
@@ -77,9 +78,7 @@ def test_packed_linear_takes_amx_up_to_its_row_limit(monkeypatch):
     lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
     packed = PackedLinear(lin)
     assert packed.kernel == "amx"
-    calls = []
-    real = packed._amx
-    monkeypatch.setattr(packed, "_amx", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    calls = record_rows(monkeypatch, packed, "_amx")
     with torch.inference_mode():
         for rows in (1, 7, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
             x = torch.randn(rows, 64).bfloat16()

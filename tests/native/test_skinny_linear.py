@@ -9,6 +9,7 @@ import torch
 import native._fused as fused
 from executor import packed_linear
 from executor.packed_linear import SKINNY_MAX_ROWS, PackedLinear
+from tests.native.helpers import record_rows
 
 pytestmark = pytest.mark.skipif(not fused.skinny_linear_supported(), reason="needs an AVX512-BF16 CPU")
 
@@ -64,9 +65,7 @@ def test_packed_linear_uses_it_for_few_rows_only(monkeypatch):
     lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
     packed = PackedLinear(lin)
     assert packed.kernel == "skinny"
-    calls = []
-    real = packed._skinny
-    monkeypatch.setattr(packed, "_skinny", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    calls = record_rows(monkeypatch, packed, "_skinny")
     with torch.inference_mode():
         for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 64):
             x = torch.randn(rows, 64).bfloat16()

@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "cpu_isa.h"
+#include "linear_args.h"
 
 #if CB_FUSED_X86
 #include <sys/syscall.h>
@@ -137,9 +138,12 @@ CB_AMX void block_pair(const uint16_t* xp, const uint16_t* wp, const uint16_t* b
 
 // Pairs [p0, p1) of column blocks on this thread, each prefetching the next.
 CB_AMX void run_pairs(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
-                      int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks, int64_t p0, int64_t p1,
-                      int64_t pf_step) {
-  const int64_t block_bytes = (Kpad / kTileK) * kTileElems * 2;
+                      int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks, int64_t p0, int64_t p1) {
+  const int64_t kblocks = Kpad / kTileK;
+  const int64_t block_bytes = kblocks * kTileElems * 2;
+  // The next pair's tiles, prefetched spread over all passes through K.
+  const int64_t passes = (Mpad + 2 * kTileM - 1) / (2 * kTileM);
+  const int64_t pf_step = round_up(2 * block_bytes / (kblocks * passes), 64);
   const char* base = reinterpret_cast<const char*>(wp);
   const char* end = base + std::min(2 * p1, nblocks) * block_bytes;
   load_tile_config();
@@ -189,13 +193,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
                   packed.size(1) == Kpad / kTileK && packed.size(2) == kTileK / 2 && packed.size(3) == kTileN &&
                   packed.size(4) == 2,
               "packed must come from amx_pack_weight of an [out_features, K] weight");
-  const uint16_t* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1 &&
-                    bias->size(0) == N,
-                "bias must be a contiguous bf16 [out_features] tensor");
-    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
-  }
+  const uint16_t* bp = bf16_bias(bias, N);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #if CB_FUSED_X86
@@ -214,13 +212,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
   }
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
-  const int64_t pairs = (nblocks + 1) / 2;
-  const int64_t pair_bytes = 2 * (Kpad / kTileK) * kTileElems * 2;
-  // Prefetch the next pair's tiles spread over all passes through K.
-  const int64_t passes = (Mpad + 2 * kTileM - 1) / (2 * kTileM);
-  const int64_t pf_step = round_up(pair_bytes / (Kpad / kTileK * passes), 64);
-  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, p0, p1, pf_step);
+  at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, p0, p1);
   });
 #endif
   return y;

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "cpu_isa.h"
+#include "linear_args.h"
 
 #if CB_FUSED_X86
 #define CB_HSUM_TARGET CB_AVX512BF16
@@ -103,13 +104,7 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight,
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "x and weight must be contiguous");
   TORCH_CHECK(weight.size(0) > 0 && weight.size(1) > 0, "weight must not be empty");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const uint16_t* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1 &&
-                    bias->size(0) == N,
-                "bias must be a contiguous bf16 [N] tensor");
-    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
-  }
+  const uint16_t* bp = bf16_bias(bias, N);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #if CB_FUSED_X86
