@@ -24,6 +24,7 @@ the transformers model with the registered paged-attention function.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import structlog
 import torch
@@ -40,10 +41,13 @@ class _Layer:
     index: int
     in_norm: FusedRMSNorm
     post_norm: FusedRMSNorm
-    qkv: PackedLinear
-    o_proj: torch.nn.Module
-    mlp: FusedMLP
     scale: float
+    # Bound forward methods: a step makes ~150 of these calls, and going
+    # through nn.Module.__call__ (hooks, tracing checks) costs a few us each.
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o_proj: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _fused_qkv(attn: torch.nn.Module) -> PackedLinear:
@@ -67,6 +71,7 @@ class LeanLlamaForward:
         cfg = model.config
         self._add_rms_norm = fused.add_rms_norm
         self._rope_split = fused.rope_split
+        self._silu_and_mul = fused.silu_and_mul
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
@@ -75,8 +80,9 @@ class LeanLlamaForward:
         self.hkv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layers = [
-            _Layer(i, layer.input_layernorm, layer.post_attention_layernorm, _fused_qkv(layer.self_attn),
-                   layer.self_attn.o_proj, layer.mlp, float(layer.self_attn.scaling))
+            _Layer(i, layer.input_layernorm, layer.post_attention_layernorm, float(layer.self_attn.scaling),
+                   _fused_qkv(layer.self_attn).forward, layer.self_attn.o_proj.forward,
+                   layer.mlp.gate_up.forward, layer.mlp.down.forward)
             for i, layer in enumerate(inner.layers)
         ]
 
@@ -86,8 +92,10 @@ class LeanLlamaForward:
         cos, sin = self.rotary(residual, positions.unsqueeze(0))
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         cache = meta.kv_cache
+        write_kv, attend = meta.reshape_and_cache, meta.paged_attention
         x = None
         T = residual.shape[0]
+        attn = None  # one output buffer for every layer: o_proj has read it before the next layer writes
         for L in self.layers:
             if x is None:
                 h = L.in_norm(residual)
@@ -95,12 +103,13 @@ class LeanLlamaForward:
                 h = self._add_rms_norm(x, residual, L.in_norm.weight, L.in_norm.eps)
             q, k, v = self._rope_split(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim)
             kc, vc = cache.key[L.index], cache.value[L.index]
-            meta.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-            attn = torch.empty_like(q)
-            meta.paged_attention(attn, q, kc, vc, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, L.scale)
+            write_kv(k, v, kc, vc, meta.slot_mapping)
+            if attn is None:
+                attn = torch.empty_like(q)
+            attend(attn, q, kc, vc, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, L.scale)
             o = L.o_proj(attn.view(T, self.hq * self.head_dim))
             h = self._add_rms_norm(o, residual, L.post_norm.weight, L.post_norm.eps)
-            x = L.mlp(h)
+            x = L.down(self._silu_and_mul(L.gate_up(h)))
         if x is None:
             return self.final_norm(residual)
         return self._add_rms_norm(x, residual, self.final_norm.weight, self.final_norm.eps)
