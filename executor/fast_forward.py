@@ -12,7 +12,7 @@ This forward runs the same weights in eight calls per layer:
     reshape_and_cache(k, v); paged_attention(q)
     o  = o_proj(attn)
     h  = add_rms_norm(o, residual)
-    x  = mlp(h)                           # FusedMLP: gate|up matmul, SiLU-mul, down
+    x  = mlp(h)                           # FusedMLP: gate|up matmul + SiLU-mul, down
 
 with the rounding points of the Hugging Face modules (every bf16 product and
 sum rounded where the model's code rounds it), so its greedy output matches
@@ -46,7 +46,7 @@ class _Layer:
     # through nn.Module.__call__ (hooks, tracing checks) costs a few us each.
     qkv: Callable[[torch.Tensor], torch.Tensor]
     o_proj: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    act: Callable[[torch.Tensor], torch.Tensor]  # silu(gate(h)) * up(h)
     down: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -71,7 +71,6 @@ class LeanLlamaForward:
         cfg = model.config
         self._add_rms_norm = fused.add_rms_norm
         self._rope_split = fused.rope_split
-        self._silu_and_mul = fused.silu_and_mul
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
@@ -82,7 +81,7 @@ class LeanLlamaForward:
         self.layers = [
             _Layer(i, layer.input_layernorm, layer.post_attention_layernorm, float(layer.self_attn.scaling),
                    _fused_qkv(layer.self_attn).forward, layer.self_attn.o_proj.forward,
-                   layer.mlp.gate_up.forward, layer.mlp.down.forward)
+                   layer.mlp.act, layer.mlp.down.forward)
             for i, layer in enumerate(inner.layers)
         ]
 
@@ -109,7 +108,7 @@ class LeanLlamaForward:
             attend(attn, q, kc, vc, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, L.scale)
             o = L.o_proj(attn.view(T, self.hq * self.head_dim))
             h = self._add_rms_norm(o, residual, L.post_norm.weight, L.post_norm.eps)
-            x = L.down(self._silu_and_mul(L.gate_up(h)))
+            x = L.down(L.act(h))
         if x is None:
             return self.final_norm(residual)
         return self._add_rms_norm(x, residual, self.final_norm.weight, self.final_norm.eps)

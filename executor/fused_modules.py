@@ -4,7 +4,7 @@ Like weight prepacking, these are module swaps: the transformers decoder
 layer code runs unchanged and calls `self.input_layernorm(x)` and
 `self.mlp(x)` as always. RMSNorm becomes one native pass per row instead of
 seven ATen ops; the MLP computes gate and up with one prepacked matmul and
-SiLU-and-mul in one native pass. Rounding points follow the Hugging Face
+SiLU-and-mul in one native pass (on AMX CPUs, in the matmul's epilogue). Rounding points follow the Hugging Face
 modules. Used for bf16 on CPUs with AVX-512 bf16 only; fp32 keeps the stock
 modules (the parity tests run there).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import structlog
 import torch
 
+from executor import packed_linear
 from executor.packed_linear import PackedLinear, supported
 
 _LOGGER = structlog.get_logger(__name__)
@@ -37,21 +38,59 @@ class FusedRMSNorm(torch.nn.Module):
 
 
 class FusedMLP(torch.nn.Module):
-    """down(silu(gate(x)) * up(x)) with [gate | up] packed into one matmul."""
+    """down(silu(gate(x)) * up(x)) with [gate | up] packed into one matmul.
+
+    On AMX-BF16 CPUs the gate|up projection and SiLU-and-mul are one native
+    pass (`amx_linear_silu_mul`, weights packed by `amx_pack_gate_up`) that
+    never writes the [T, 2I] projection, for any number of rows; bit-exact
+    with the two-step path, and it keeps no plain copy of the fused weight.
+    Elsewhere: a PackedLinear over [gate | up], then `silu_and_mul`.
+    """
 
     def __init__(self, mlp: torch.nn.Module, batch_hint: int = 64) -> None:
         super().__init__()
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        fused = torch.nn.Linear(gate.in_features, gate.out_features + up.out_features, bias=False,
-                                dtype=gate.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([_weight(gate), _weight(up)], 0))
-        self.gate_up = PackedLinear(fused, batch_hint)
+        self.inter = gate.out_features
+        w = torch.cat([_weight(gate), _weight(up)], 0)
+        amx = _amx_gate_up_ops(w)
+        self.gate_up: PackedLinear | None = None
+        if amx is not None:
+            pack, self._gate_up_silu = amx
+            self.packed_gate_up = pack(w)
+        else:
+            fused = torch.nn.Linear(gate.in_features, 2 * self.inter, bias=False, dtype=gate.weight.dtype)
+            with torch.no_grad():
+                fused.weight.copy_(w)
+            self.gate_up = PackedLinear(fused, batch_hint)
+        del w
         self.down = down if isinstance(down, PackedLinear) else PackedLinear(down, batch_hint)
         self._op = _fused().silu_and_mul
 
+    @property
+    def kernel(self) -> str:
+        """What computes silu(gate) * up: "amx_linear_silu_mul" or "<gate_up kernel> + silu_and_mul"."""
+        return "amx_linear_silu_mul" if self.gate_up is None else f"{self.gate_up.kernel} + silu_and_mul"
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x), [..., I]."""
+        if self.gate_up is not None:
+            return self._op(self.gate_up(x))
+        if x.dim() == 2:  # the lean forward's [T, H]
+            return self._gate_up_silu(x.contiguous(), self.packed_gate_up, self.inter)
+        out = self._gate_up_silu(x.reshape(-1, x.shape[-1]).contiguous(), self.packed_gate_up, self.inter)
+        return out.reshape(*x.shape[:-1], self.inter)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self._op(self.gate_up(x)))
+        return self.down(self.act(x))
+
+
+def _amx_gate_up_ops(w: torch.Tensor):
+    """(amx_pack_gate_up, amx_linear_silu_mul) where they apply to the fused
+    [2I, K] weight `w` (AMX-BF16 CPU, bf16, I a multiple of 16), else None."""
+    if w.dtype != torch.bfloat16 or (w.shape[0] // 2) % 16 != 0 or packed_linear.amx_ops() is None:
+        return None
+    fused = _fused()
+    return fused.amx_pack_gate_up, fused.amx_linear_silu_mul
 
 
 def _weight(linear: torch.nn.Module) -> torch.Tensor:
@@ -70,7 +109,9 @@ def fuse_llama_blocks(model: torch.nn.Module) -> int:
         if getattr(layer.mlp.act_fn, "__class__", None).__name__ in ("SiLUActivation", "SiLU"):
             layer.mlp = FusedMLP(layer.mlp)
     model.model.norm = FusedRMSNorm(model.model.norm)
-    _LOGGER.info("fused RMSNorm and MLP", layers=len(layers))
+    mlp = layers[0].mlp if len(layers) else None
+    _LOGGER.info("fused RMSNorm and MLP", layers=len(layers),
+                 mlp_kernel=mlp.kernel if isinstance(mlp, FusedMLP) else "transformers")
     return len(layers)
 
 

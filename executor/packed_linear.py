@@ -12,7 +12,8 @@ Which kernel runs, by CPU and rows of x (`make bench-kernels` measures them):
   to 16 rows, where oneDNN's prepacked kernel reaches 13-16 (all of SmolLM2's
   projections at 8 rows: 12.6 vs 16.9 ms). Above that (long prefill chunks),
   plain `F.linear`, which beats both there; no oneDNN copy of the weights is
-  kept.
+  kept. (FusedMLP packs its gate|up projection itself, for the
+  SiLU-and-mul epilogue of `amx_linear_silu_mul`.)
 - Other AVX512-BF16 CPUs: native `skinny_linear` (dot products over the plain
   weight rows) up to `SKINNY_MAX_ROWS`, oneDNN's prepacked kernel above it.
 - Anything else bf16 with oneDNN: the prepacked kernel.
@@ -44,7 +45,7 @@ def _skinny_op():
     return fused.skinny_linear if fused is not None and fused.skinny_linear_supported() else None
 
 
-def _amx_ops():
+def amx_ops():
     """(pack, linear) of native amx_linear, or None where the CPU has no AMX-BF16."""
     fused = _fused()
     if fused is None or not fused.amx_linear_supported():
@@ -62,7 +63,7 @@ class PackedLinear(torch.nn.Module):
         # Kept for state_dict and for the plain paths; shares storage with the model's tensor.
         self.weight = linear.weight
         plain_bf16 = w.dtype == torch.bfloat16 and w.is_contiguous()
-        amx = _amx_ops() if plain_bf16 else None
+        amx = amx_ops() if plain_bf16 else None
         self._skinny = None
         self._amx = None
         if amx is not None:

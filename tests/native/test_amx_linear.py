@@ -90,10 +90,94 @@ def test_packed_linear_takes_amx_up_to_its_row_limit(monkeypatch):
 
 
 def test_without_amx_packed_linear_falls_back(monkeypatch):
-    monkeypatch.setattr(packed_linear, "_amx_ops", lambda: None)
+    monkeypatch.setattr(packed_linear, "amx_ops", lambda: None)
     lin = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
     packed = PackedLinear(lin)
     assert packed.kernel in ("skinny", "onednn")
     x = torch.randn(9, 64).bfloat16()
     with torch.inference_mode():
         torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+
+
+# --- gate|up projection with the SiLU-and-mul epilogue ----------------------
+
+@pytest.mark.parametrize("m", [1, 5, 17, 33, 70, 400])
+@pytest.mark.parametrize("inter,k", [(1536, 576), (16, 40), (48, 1536)])
+def test_silu_mul_epilogue_is_bit_exact_with_projection_then_silu_and_mul(m, inter, k):
+    g = torch.Generator().manual_seed(m + inter + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(2 * inter, k, generator=g) * 0.1).bfloat16()
+    got = fused.amx_linear_silu_mul(x, fused.amx_pack_gate_up(w), inter)
+    assert got.shape == (m, inter) and got.dtype == torch.bfloat16
+    two_step = fused.silu_and_mul(fused.amx_linear(x, fused.amx_pack_weight(w), 2 * inter, None))
+    assert torch.equal(got, two_step)
+    # and it is act_fn(gate_proj(x)) * up_proj(x) up to the matmuls' bf16 rounding
+    gate, up = torch.nn.functional.linear(x, w[:inter]), torch.nn.functional.linear(x, w[inter:])
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2e-2)
+
+
+def test_gate_up_packing_interleaves_gate_and_up_blocks_of_16():
+    inter, k = 32, 40
+    w = torch.arange(2 * inter * k, dtype=torch.float32).reshape(2 * inter, k).bfloat16()
+    p = fused.amx_pack_gate_up(w)
+    assert p.shape == (4, 2, 16, 16, 2)  # blocks: gate 0, up 0, gate 1, up 1
+    # Tile (nb, kb), row kp, column n, pair j holds feature 16 nb + n of the interleaved weight.
+    assert p[0, 0, 3, 2, 1] == w[2, 7]  # gate feature 2
+    assert p[1, 0, 3, 2, 1] == w[inter + 2, 7]  # up feature 2
+    assert p[2, 1, 2, 5, 0] == w[16 + 5, 36]  # gate feature 21
+    assert p[3, 1, 2, 5, 0] == w[inter + 16 + 5, 36]  # up feature 21
+
+
+def test_silu_mul_bad_arguments():
+    w = torch.randn(64, 32).bfloat16()
+    p = fused.amx_pack_gate_up(w)
+    x = torch.randn(3, 32).bfloat16()
+    assert fused.amx_linear_silu_mul(torch.empty(0, 32, dtype=torch.bfloat16), p, 32).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        fused.amx_linear_silu_mul(x, p, 24)
+    with pytest.raises(RuntimeError, match="amx_pack_weight"):
+        fused.amx_linear_silu_mul(x, p, 16)  # packed for inter 32
+    with pytest.raises(RuntimeError, match="amx_pack_weight"):
+        fused.amx_linear_silu_mul(torch.randn(3, 64).bfloat16(), p, 32)  # K of another weight
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        fused.amx_pack_gate_up(torch.randn(40, 32).bfloat16())  # I = 20
+
+
+def _llama_mlp(hidden, inter, seed):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
+    return LlamaMLP(cfg).to(torch.bfloat16).eval()
+
+
+def test_fused_mlp_runs_the_epilogue_on_amx_and_matches_the_stock_mlp():
+    from executor.fused_modules import FusedMLP
+
+    stock = _llama_mlp(96, 48, 0)
+    mlp = FusedMLP(stock)
+    assert mlp.kernel == "amx_linear_silu_mul" and mlp.gate_up is None
+    with torch.inference_mode():
+        for shape in ((1, 96), (37, 96), (1, 400, 96)):  # the lean forward's [T, H] and HF's [1, T, H]
+            x = torch.randn(*shape).bfloat16()
+            got = mlp(x)
+            assert got.shape == shape
+            torch.testing.assert_close(got.float(), stock(x).float(), rtol=2 ** -6, atol=2e-2)
+
+
+def test_fused_mlp_without_amx_or_with_an_odd_width_keeps_the_two_step_path(monkeypatch):
+    from executor.fused_modules import FusedMLP
+
+    odd = FusedMLP(_llama_mlp(96, 40, 1))  # I = 40: not a whole number of 16-feature blocks
+    assert odd.gate_up is not None and odd.kernel == "amx + silu_and_mul"
+    monkeypatch.setattr(packed_linear, "amx_ops", lambda: None)
+    stock = _llama_mlp(96, 48, 2)
+    mlp = FusedMLP(stock)
+    assert mlp.gate_up is not None and mlp.kernel.endswith("+ silu_and_mul")
+    with torch.inference_mode():
+        x = torch.randn(9, 96).bfloat16()
+        torch.testing.assert_close(mlp(x).float(), stock(x).float(), rtol=2 ** -6, atol=2e-2)
+        torch.testing.assert_close(odd(x).float(), odd.down(torch.nn.functional.silu(
+            odd.gate_up(x)[:, :40]) * odd.gate_up(x)[:, 40:]).float(), rtol=2 ** -6, atol=2e-2)

@@ -61,7 +61,7 @@ def test_zero_rows_and_bad_arguments():
 
 def test_packed_linear_uses_it_for_few_rows_only(monkeypatch):
     # As on an AVX512-BF16 CPU without AMX (where amx_linear would take these rows).
-    monkeypatch.setattr(packed_linear, "_amx_ops", lambda: None)
+    monkeypatch.setattr(packed_linear, "amx_ops", lambda: None)
     lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
     packed = PackedLinear(lin)
     assert packed.kernel == "skinny"

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16_vec.h"
 #include "cpu_isa.h"
 #include "linear_args.h"
 
@@ -88,11 +89,25 @@ CB_AMX void store_block(const float* acc, const uint16_t* bias, uint16_t* y, int
   }
 }
 
-// Column blocks nb and nb + 1 (when `two`) for all rows of x. `pf`..`pf_end`:
+// The SiLU-and-mul epilogue: rows [r0, r0 + rows) x features [f0, f0 + 16)
+// of y [M, I] = silu(gate) * up from the gate and up accumulator tiles, each
+// rounded to bf16 first as the separate projection would store it.
+CB_AMX void store_silu_mul(const float* gate, const float* up, uint16_t* y, int64_t rows, int64_t I, int64_t f0) {
+  const __mmask16 m = lanes(I - f0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 g = round_bf16(_mm512_loadu_ps(gate + r * kTileN));
+    const __m512 u = round_bf16(_mm512_loadu_ps(up + r * kTileN));
+    store_bf16(reinterpret_cast<c10::BFloat16*>(y + r * I + f0), silu_mul(g, u), m);
+  }
+}
+
+// Column blocks nb and nb + 1 (when `two`) for all rows of x. With
+// `silu_inter` > 0 the pair is (gate block, up block) of a weight packed by
+// amx_pack_gate_up and y is [M, silu_inter]: silu(gate) * up. `pf`..`pf_end`:
 // bytes to prefetch into L2 during the first pass over K.
 CB_AMX void block_pair(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                        int64_t M, int64_t Mpad, int64_t Kpad, int64_t N, int64_t nb, bool two,
-                       const char* pf, const char* pf_end, int64_t pf_step) {
+                       const char* pf, const char* pf_end, int64_t pf_step, int64_t silu_inter) {
   const int64_t kblocks = Kpad / kTileK;
   const uint16_t* w0 = wp + nb * kblocks * kTileElems;
   const uint16_t* w1 = w0 + kblocks * kTileElems;
@@ -130,6 +145,10 @@ CB_AMX void block_pair(const uint16_t* xp, const uint16_t* wp, const uint16_t* b
       const int64_t r0 = m0 + half * kTileM;
       const int64_t rows = std::min<int64_t>(kTileM, M - r0);
       if (rows <= 0) continue;
+      if (silu_inter > 0) {
+        store_silu_mul(acc[2 * half], acc[2 * half + 1], y + r0 * silu_inter, rows, silu_inter, n0 / 2);
+        continue;
+      }
       store_block(acc[2 * half], bias, y + r0 * N, rows, N, n0);
       if (two) store_block(acc[2 * half + 1], bias, y + r0 * N, rows, N, n0 + kTileN);
     }
@@ -138,7 +157,8 @@ CB_AMX void block_pair(const uint16_t* xp, const uint16_t* wp, const uint16_t* b
 
 // Pairs [p0, p1) of column blocks on this thread, each prefetching the next.
 CB_AMX void run_pairs(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
-                      int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks, int64_t p0, int64_t p1) {
+                      int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks, int64_t p0, int64_t p1,
+                      int64_t silu_inter) {
   const int64_t kblocks = Kpad / kTileK;
   const int64_t block_bytes = kblocks * kTileElems * 2;
   // The next pair's tiles, prefetched spread over all passes through K.
@@ -149,7 +169,7 @@ CB_AMX void run_pairs(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
   load_tile_config();
   for (int64_t p = p0; p < p1; ++p) {
     block_pair(xp, wp, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, base + 2 * (p + 1) * block_bytes,
-               end, pf_step);
+               end, pf_step, silu_inter);
   }
   _tile_release();
 }
@@ -179,24 +199,33 @@ torch::Tensor amx_pack_weight(const torch::Tensor& weight) {
   return padded.view({Npad / kTileN, kTileN, Kpad / kTileK, kTileK / 2, 2}).permute({0, 2, 3, 1, 4}).contiguous();
 }
 
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                         const c10::optional<torch::Tensor>& bias) {
+namespace {
+
+// Checks x and packed (from amx_pack_weight of an [n_features, K] weight);
+// returns nblocks.
+int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_features) {
   TORCH_CHECK(amx_linear_supported(), "amx_linear needs an AMX-BF16 CPU");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_linear is bf16 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const int64_t Mpad = round_up(std::max<int64_t>(M, 1), kTileM), Kpad = round_up(K, kTileK);
-  const int64_t nblocks = round_up(N, kTileN) / kTileN;
+  const int64_t Kpad = round_up(x.size(1), kTileK);
+  const int64_t nblocks = round_up(n_features, kTileN) / kTileN;
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 5 && packed.size(0) == nblocks &&
                   packed.size(1) == Kpad / kTileK && packed.size(2) == kTileK / 2 && packed.size(3) == kTileN &&
                   packed.size(4) == 2,
               "packed must come from amx_pack_weight of an [out_features, K] weight");
-  const uint16_t* bp = bf16_bias(bias, N);
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+  return nblocks;
+}
+
+// y = x · wᵀ (+ bias), or silu(gate) * up when silu_inter > 0, over all pairs
+// of column blocks split between the threads.
+void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t nblocks, const uint16_t* bp,
+         torch::Tensor& y, int64_t silu_inter) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0) return;
 #if CB_FUSED_X86
+  const int64_t Mpad = round_up(M, kTileM), Kpad = round_up(K, kTileK);
   // Zero-padded copy of x: tile loads read whole 16 x 32 tiles.
   auto xpad_t = torch::empty({Mpad, Kpad}, x.options());
   auto* xp = reinterpret_cast<uint16_t*>(xpad_t.data_ptr<c10::BFloat16>());
@@ -213,9 +242,35 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, p0, p1);
+    run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, p0, p1, silu_inter);
   });
 #endif
+}
+
+}  // namespace
+
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                         const c10::optional<torch::Tensor>& bias) {
+  const int64_t nblocks = check_amx_args(x, packed, out_features);
+  const uint16_t* bp = bf16_bias(bias, out_features);
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  run(x, packed, out_features, nblocks, bp, y, 0);
+  return y;
+}
+
+torch::Tensor amx_pack_gate_up(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(0) % (2 * kTileN) == 0,
+              "gate_up must be [2 I, K] (gate rows then up rows) with I a multiple of 16");
+  const int64_t I = gate_up.size(0) / 2, K = gate_up.size(1);
+  // [2, I/16, 16, K] -> [I/16, 2, 16, K]: gate block j, then up block j.
+  return amx_pack_weight(gate_up.reshape({2, I / kTileN, kTileN, K}).transpose(0, 1).reshape({2 * I, K}));
+}
+
+torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter) {
+  TORCH_CHECK(inter > 0 && inter % kTileN == 0, "inter must be a positive multiple of 16");
+  const int64_t nblocks = check_amx_args(x, packed, 2 * inter);
+  auto y = torch::empty({x.size(0), inter}, x.options());
+  run(x, packed, 2 * inter, nblocks, nullptr, y, inter);
   return y;
 }
 

@@ -17,4 +17,15 @@ torch::Tensor amx_pack_weight(const torch::Tensor& weight);
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                          const c10::optional<torch::Tensor>& bias);
 
+// gate_up [2I, K] bf16 (gate rows, then up rows; I a multiple of 16) -> the
+// amx_pack_weight layout of the rows interleaved in blocks of 16 (gate block
+// j, then up block j), which amx_linear_silu_mul reads.
+torch::Tensor amx_pack_gate_up(const torch::Tensor& gate_up);
+
+// y [M, I] = silu(x · gateᵀ) * (x · upᵀ), bf16, with the Hugging Face MLP's
+// rounding points (both projections and the SiLU rounded to bf16), and
+// `packed` from amx_pack_gate_up: the gate|up projection and SiLU-and-mul in
+// one pass, without writing the [M, 2I] projection.
+torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter);
+
 }  // namespace cbserve_fused

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "bf16_vec.h"
 #include "cpu_isa.h"
 #include "amx_linear.h"
 #include "skinny_linear.h"
@@ -138,29 +139,12 @@ int64_t argmax_row(const T* x, int64_t n) {
 #if CB_FUSED_X86
 // ---- AVX-512 bf16 ------------------------------------------------------------
 
-CB_AVX512BF16 inline __mmask16 lanes(int64_t n) {
-  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
-}
-
-CB_AVX512BF16 inline __m512 load_bf16(const c10::BFloat16* p) {
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-CB_AVX512BF16 inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 m) {
-  __m256i v = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-CB_AVX512BF16 inline __m512 round_bf16(__m512 v) {  // fp32 -> bf16 (RNE) -> fp32
-  __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-CB_AVX512BF16 inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m) {
-  __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  _mm256_mask_storeu_epi16(p, m, b);
-}
+using cbserve_fused::lanes;
+using cbserve_fused::load_bf16;
+using cbserve_fused::load_bf16_masked;
+using cbserve_fused::round_bf16;
+using cbserve_fused::silu_mul;
+using cbserve_fused::store_bf16;
 
 CB_AVX512BF16 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                                       int64_t r0, int64_t r1, int64_t h, float eps) {
@@ -193,34 +177,15 @@ void rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, const c10:
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { rms_norm_bf16_rows(out, x, w, r0, r1, h, eps); });
 }
 
-CB_AVX512BF16 inline __m512 exp_ps(__m512 x) {
-  // exp(x) = 2^(x*log2e): integer part via scalef, fraction by a degree-6 polynomial.
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 CB_AVX512BF16 void silu_mul_bf16_rows(c10::BFloat16* out, const c10::BFloat16* gu, int64_t r0, int64_t r1,
                                       int64_t inter) {
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t r = r0; r < r1; ++r) {
     const c10::BFloat16* g = gu + r * 2 * inter;
     const c10::BFloat16* u = g + inter;
     c10::BFloat16* o = out + r * inter;
     for (int64_t i = 0; i < inter; i += 16) {
       const __mmask16 m = lanes(inter - i);
-      __m512 gv = load_bf16_masked(g + i, m);
-      __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      store_bf16(o + i, _mm512_mul_ps(round_bf16(s), load_bf16_masked(u + i, m)), m);
+      store_bf16(o + i, silu_mul(load_bf16_masked(g + i, m), load_bf16_masked(u + i, m)), m);
     }
   }
 }
@@ -476,6 +441,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &cbserve_fused::amx_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
         "x [M, K] @ weight^T (+ bias) in bf16 on AMX tiles, weight packed by amx_pack_weight; "
+        "AMX-BF16 CPUs only (see amx_linear_supported).");
+  m.def("amx_pack_gate_up", &cbserve_fused::amx_pack_gate_up, py::arg("gate_up"),
+        "gate_up [2I, K] bf16 (gate rows then up rows, I a multiple of 16) -> the AMX tile layout "
+        "amx_linear_silu_mul reads.");
+  m.def("amx_linear_silu_mul", &cbserve_fused::amx_linear_silu_mul, py::arg("x"), py::arg("packed"),
+        py::arg("inter"), py::call_guard<py::gil_scoped_release>(),
+        "silu(x @ gate^T) * (x @ up^T) [M, inter] in bf16 on AMX tiles, weights packed by amx_pack_gate_up; "
         "AMX-BF16 CPUs only (see amx_linear_supported).");
   m.def("amx_linear_supported", &cbserve_fused::amx_linear_supported);
 }
