@@ -85,15 +85,17 @@ def has_cuda() -> bool:
 def cpu_features() -> dict:
     """CPU features seen at run time and the kernel ISA in use.
 
-    Keys: `isa` ("avx512", "avx2" or "generic": the kernels the CPU ops use
+    Keys: `isa` ("amx", "avx512", "avx2" or "generic": the kernels the CPU ops use
     now), `best_isa` (what dispatch picks by default; `CBSERVE_NATIVE_ISA`
     in the environment can force a lower one), the individual feature flags
     (`avx2`, `fma`, `f16c`, `avx512f`, `avx512bw`, `avx512vl`, `avx512dq`,
-    `avx512_bf16`) and `supported` (generic, avx2, avx512 usable here).
+    `avx512_bf16`, `amx_bf16`: AMX tiles usable by this process) and
+    `supported` (generic, avx2, avx512, amx usable here). "amx" is the
+    AVX-512 build with bf16 prefill attention on AMX tiles.
     """
     return dict(_C.cpu_features())
 
 
 def _set_isa(isa: str) -> None:
-    """Force the CPU kernels to "generic", "avx2" or "avx512" (tests, benchmarks)."""
+    """Force the CPU kernels to "generic", "avx2", "avx512" or "amx" (tests, benchmarks)."""
     _C.set_isa(isa)

@@ -361,10 +361,27 @@ static inline bool dec_pv_fast(const float* P, int64_t ldp, int64_t M, const cha
        : dec_pv_simple(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp, pf))
 
 #include "attn_body.h"
+#include "attn_amx.h"
 
 namespace cbserve_native {
 bool attn_item_avx512(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
                      float* scratch) {
+  return attn_item_impl(p, it, next, prefetched, scratch);
+}
+
+// The AVX-512 kernels, with bf16 prefill items (more than kDecodeMaxRows
+// rows, head_dim 32 / 64 / 96 / 128) on AMX tiles.
+bool attn_item_amx(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
+                   float* scratch) {
+  if (p.dtype == kBF16 && !is_decode_item(it, p.hq / p.hkv) && p.head_dim % 32 == 0) {
+    switch (p.head_dim / 32) {
+      case 1: return attn_prefill_amx<1>(p, it, scratch);
+      case 2: return attn_prefill_amx<2>(p, it, scratch);
+      case 3: return attn_prefill_amx<3>(p, it, scratch);
+      case 4: return attn_prefill_amx<4>(p, it, scratch);
+      default: break;
+    }
+  }
   return attn_item_impl(p, it, next, prefetched, scratch);
 }
 }  // namespace cbserve_native
@@ -383,5 +400,6 @@ bool have_avx512_kernels() { return true; }
 #else
 bool have_avx512_kernels() { return false; }
 bool attn_item_avx512(const AttnParams&, const AttnItem&, const AttnItem*, bool, float*) { return false; }
+bool attn_item_amx(const AttnParams&, const AttnItem&, const AttnItem*, bool, float*) { return false; }
 #endif
 }  // namespace cbserve_native

@@ -83,10 +83,17 @@ inline int64_t decode_scratch_floats(int64_t head_dim) {
 // rows needs; the caller allocates it once per thread.
 inline int64_t attn_scratch_floats(int64_t max_rows, int64_t head_dim, int64_t block_size) {
   if (max_rows <= kDecodeMaxRows) return decode_scratch_floats(head_dim);  // decode path only
-  const int64_t dp = round_up(head_dim, kPad), np = round_up(kv_tile(block_size, 1 << 30), kPad);
+  const int64_t kt = kv_tile(block_size, 1 << 30);
+  const int64_t dp = round_up(head_dim, kPad), np = round_up(kt, kPad);
   const int64_t tiled = 2 * max_rows * dp + 3 * max_rows + max_rows * np + 2 * dp * np + 4 * kPad;
+  // The AMX path (attn_amx.h): Acc [M, D], max/sum, S [Mpad, NP] fp32; Q, P
+  // [Mpad, D / NP] and the K/V tiles [NP, D] bf16; one fp32 tile; KT row pointers.
+  const int64_t mp = round_up(max_rows, 16), np32 = round_up(kt, 32);
+  const int64_t amx = max_rows * dp + 2 * mp + mp * np32 + mp * dp / 2 + mp * np32 / 2 + np32 * dp + 256 +
+                      2 * kt + 4 * kPad;
   const int64_t dec = decode_scratch_floats(head_dim);
-  return tiled > dec ? tiled : dec;
+  const int64_t big = tiled > amx ? tiled : amx;
+  return big > dec ? big : dec;
 }
 
 struct CacheParams {
@@ -107,6 +114,7 @@ using AttnItemFn = bool (*)(const AttnParams&, const AttnItem& it, const AttnIte
 bool attn_item_generic(const AttnParams&, const AttnItem&, const AttnItem*, bool, float* scratch);
 bool attn_item_avx2(const AttnParams&, const AttnItem&, const AttnItem*, bool, float* scratch);
 bool attn_item_avx512(const AttnParams&, const AttnItem&, const AttnItem*, bool, float* scratch);
+bool attn_item_amx(const AttnParams&, const AttnItem&, const AttnItem*, bool, float* scratch);
 // Whether the ISA translation unit was compiled in (x86-64 with GCC/Clang).
 bool have_avx2_kernels();
 bool have_avx512_kernels();

@@ -15,6 +15,11 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "kernels.h"
 
 #ifdef CBSERVE_WITH_CUDA
@@ -59,6 +64,7 @@ std::string shape_str(const at::Tensor& t) {
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false;
+  bool amx_bf16 = false;  // AMX-TILE + AMX-BF16, and Linux granted this process the tile state
 };
 
 CpuFeatures detect() {
@@ -79,6 +85,14 @@ CpuFeatures detect() {
   // avx512f is reported usable by __builtin_cpu_supports).
   __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
   f.avx512bf16 = f.avx512f && ((eax >> 5) & 1u);
+  // CPUID.(EAX=7,ECX=0):EDX[22] = AMX-BF16, [24] = AMX-TILE; Linux keeps the
+  // tile state off until the process asks (arch_prctl ARCH_REQ_XCOMP_PERM,
+  // XFEATURE_XTILEDATA = 18), as torch's oneDNN does too.
+  __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+#if defined(__linux__)
+  if (f.avx512bf16 && ((edx >> 22) & 1u) && ((edx >> 24) & 1u))
+    f.amx_bf16 = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#endif
 #endif
   return f;
 }
@@ -95,12 +109,14 @@ bool isa_supported(const std::string& isa) {
   if (isa == "avx512")
     return have_avx512_kernels() && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.fma &&
            f.f16c && f.avx2;
+  if (isa == "amx") return isa_supported("avx512") && f.amx_bf16;
   return false;
 }
 
 std::string best_isa() {
   const char* env = std::getenv("CBSERVE_NATIVE_ISA");
   if (env && *env && isa_supported(env)) return env;
+  if (isa_supported("amx")) return "amx";
   if (isa_supported("avx512")) return "avx512";
   if (isa_supported("avx2")) return "avx2";
   return "generic";
@@ -113,14 +129,15 @@ std::string& current_isa() {
 
 AttnItemFn item_fn() {
   const std::string& isa = current_isa();
+  if (isa == "amx") return attn_item_amx;
   if (isa == "avx512") return attn_item_avx512;
   if (isa == "avx2") return attn_item_avx2;
   return attn_item_generic;
 }
 
 void set_isa(const std::string& isa) {
-  CB_VALUE(isa == "generic" || isa == "avx2" || isa == "avx512",
-           "unknown ISA '", isa, "' (expected generic, avx2 or avx512)");
+  CB_VALUE(isa == "generic" || isa == "avx2" || isa == "avx512" || isa == "amx",
+           "unknown ISA '", isa, "' (expected generic, avx2, avx512 or amx)");
   CB_VALUE(isa_supported(isa), "ISA '", isa, "' is not supported by this CPU/build");
   current_isa() = isa;
 }
@@ -138,7 +155,9 @@ py::dict cpu_features() {
   d["avx512vl"] = f.avx512vl;
   d["avx512dq"] = f.avx512dq;
   d["avx512_bf16"] = f.avx512bf16;
-  d["supported"] = py::make_tuple(isa_supported("generic"), isa_supported("avx2"), isa_supported("avx512"));
+  d["amx_bf16"] = f.amx_bf16;
+  d["supported"] = py::make_tuple(isa_supported("generic"), isa_supported("avx2"), isa_supported("avx512"),
+                                  isa_supported("amx"));
   return d;
 }
 

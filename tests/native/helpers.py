@@ -15,7 +15,7 @@ if ROOT not in sys.path:  # `executor.torch_ops` is the reference
 import native  # noqa: E402
 
 SUPPORTED_ISAS = [
-    isa for isa, ok in zip(("generic", "avx2", "avx512"), native.cpu_features()["supported"]) if ok
+    isa for isa, ok in zip(("generic", "avx2", "avx512", "amx"), native.cpu_features()["supported"]) if ok
 ]
 
 

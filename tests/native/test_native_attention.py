@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.native.helpers import make_batch, reference, tolerance
+from tests.native.helpers import SUPPORTED_ISAS, make_batch, reference, tolerance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -102,7 +102,7 @@ def test_empty_batch_and_all_zero_queries(isa):
 
 def test_cpu_features_reports_dispatch():
     f = native.cpu_features()
-    assert f["isa"] in ("generic", "avx2", "avx512")
+    assert f["isa"] in ("generic", "avx2", "avx512", "amx")
     assert f["supported"][0] is True
     assert native.has_cuda() in (True, False)
     with pytest.raises(ValueError, match="unknown ISA"):
@@ -129,3 +129,31 @@ def test_whole_row_and_per_head_items_agree_bitwise(isa):
     whole, per_head = run_at_threads(batch, 0.125, 1), run_at_threads(batch, 0.125, 2)
     assert torch.equal(whole, per_head)
     assert (whole.float() - reference(batch, 0.125)).abs().max().item() <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.skipif("amx" not in SUPPORTED_ISAS, reason="needs an AMX-BF16 CPU")
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("logit_scale", [1.0, 30.0])
+def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_size, logit_scale):
+    """bf16 prefill items on AMX tiles: a prompt over several KV tiles, a
+    chunk after cached context, row counts that are not a multiple of 16,
+    decode rows in the same call, and scores far from 0 (online softmax
+    across tiles with bf16 probabilities)."""
+    batch = make_batch([300, 1, 37, 5], [0, 150, 260, 40], hq=6, hkv=2, d=d, block_size=block_size,
+                       dtype=torch.bfloat16, seed=d + block_size)
+    batch["query"] *= logit_scale
+    scale = d ** -0.5
+    want = reference(batch, scale)
+    before = native.cpu_features()["isa"]
+    try:
+        got = {}
+        for isa in ("amx", "avx512"):
+            native._set_isa(isa)
+            got[isa] = run_native(batch, scale)
+    finally:
+        native._set_isa(before)
+    for out in got.values():
+        assert not out.isnan().any()
+        assert (out.float() - want).abs().max().item() <= tolerance(torch.bfloat16)
+    assert (got["amx"].float() - got["avx512"].float()).abs().max().item() <= tolerance(torch.bfloat16)

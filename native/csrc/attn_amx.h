@@ -1,0 +1,210 @@
+// The AMX-BF16 path for bf16 prefill items (tokens x GQA group > 16 rows),
+// included by cpu_kernels_avx512.cpp after attn_body.h (it reuses V, the
+// online softmax and the row I/O from there).
+//
+// Same structure as the tiled path (KV tiles of whole cache blocks, an online
+// softmax between tiles, fp32 accumulators), with both products on AMX tiles:
+//   scores  S [16 rows x 16 tokens] += Q [16 x 32 d] . K^T [32 d x 16 tokens]
+//   output  O [16 rows x 16 d]      += P [16 x 32 tokens] . V [32 tokens x 16 d]
+// K^T and V are re-laid out once per KV tile into the VNNI tiles the
+// instruction reads (K: a 16 x 16 dword transpose per 16 tokens and 32 dims;
+// V: two token rows interleaved element by element), queries are read as
+// bf16 and the probabilities rounded to bf16 for P.V, as torch's own CPU
+// flash attention does for bf16; scores, softmax and accumulation are fp32.
+#pragma once
+
+#define CB_AMX_ATTN \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")))
+
+namespace {
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes. Tile 0: accumulator; 2-3: K or V tiles;
+// 4-7: the row tile's query chunks (scores) or P (output).
+CB_AMX_ATTN static inline void amx_attn_config() {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Kb tile (g, c) for tokens [16 g, 16 g + 16) and dims [32 c, 32 c + 32):
+// row dp holds, for each token t, the pair K[t, 32 c + 2 dp .. + 1] — the
+// transpose of the tokens' 16-dword rows. Tokens >= n are zero.
+CB_AMX_ATTN static inline void amx_pack_k(const uint16_t* const* rows, int64_t n, int64_t g, int64_t c,
+                                          uint16_t* tile) {
+  __m512 r[16];
+  for (int t = 0; t < 16; ++t) {
+    const int64_t tok = 16 * g + t;
+    r[t] = tok < n ? _mm512_loadu_ps(rows[tok] + 32 * c) : _mm512_setzero_ps();
+  }
+  transpose16(r);
+  for (int t = 0; t < 16; ++t) _mm512_storeu_ps(tile + 32 * t, r[t]);
+}
+
+// Vb tile (c, b) for tokens [32 c, 32 c + 32) and dims [16 b, 16 b + 16):
+// row tp holds, for each dim, the pair (V[32 c + 2 tp, d], V[32 c + 2 tp + 1, d]).
+CB_AMX_ATTN static inline void amx_pack_v(const uint16_t* const* rows, int64_t n, int64_t c, int64_t b,
+                                          uint16_t* tile) {
+  const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                      21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int tp = 0; tp < 16; ++tp) {
+    const int64_t a = 32 * c + 2 * tp;
+    const __m256i va = a < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[a] + 16 * b))
+                             : _mm256_setzero_si256();
+    const __m256i vb = a + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[a + 1] + 16 * b))
+                                 : _mm256_setzero_si256();
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
+    _mm512_storeu_si512(tile + 32 * tp, _mm512_permutexvar_epi16(il, both));
+  }
+}
+
+// S rows [16 rt, 16 rt + 16) x tokens [0, n16) = Q . K^T, DC = D / 32 chunks.
+template <int DC>
+CB_AMX_ATTN static inline void amx_scores(const uint16_t* Qb, int64_t D, const uint16_t* Kb, int64_t n16, float* S,
+                                          int64_t NP) {
+  _tile_loadd(4, Qb, D * 2);
+  if constexpr (DC > 1) _tile_loadd(5, Qb + 32, D * 2);
+  if constexpr (DC > 2) _tile_loadd(6, Qb + 64, D * 2);
+  if constexpr (DC > 3) _tile_loadd(7, Qb + 96, D * 2);
+  for (int64_t g = 0; g < n16 / 16; ++g) {
+    const uint16_t* kt = Kb + g * DC * 512;
+    _tile_zero(0);
+    _tile_loadd(2, kt, 64);
+    _tile_dpbf16ps(0, 4, 2);
+    if constexpr (DC > 1) {
+      _tile_loadd(3, kt + 512, 64);
+      _tile_dpbf16ps(0, 5, 3);
+    }
+    if constexpr (DC > 2) {
+      _tile_loadd(2, kt + 1024, 64);
+      _tile_dpbf16ps(0, 6, 2);
+    }
+    if constexpr (DC > 3) {
+      _tile_loadd(3, kt + 1536, 64);
+      _tile_dpbf16ps(0, 7, 3);
+    }
+    _tile_stored(0, S + 16 * g, NP * 4);
+  }
+}
+
+template <int DC>
+CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it, float* scratch) {
+  const int64_t D = p.head_dim, bs = p.block_size, hkv = p.hkv;
+  const int64_t G = p.hq / hkv, h = it.kv_head;
+  const int64_t q_len = p.cu_seqlens[it.seq + 1] - p.cu_seqlens[it.seq];
+  const int64_t ctx = p.seq_lens[it.seq] - q_len;
+  const int64_t M = (it.q_end - it.q_begin) * G;
+  if (M <= 0) return false;
+  const int64_t Mpad = round_up(M, 16);
+  const int64_t KT = cbserve_native::kv_tile(bs, M);
+  const int64_t NP = round_up(KT, 32), DB = D / 16;
+  const int64_t DP = D;  // D % 32 == 0
+
+  float* Acc = scratch;                                      // [M, D] fp32
+  float* mrow = Acc + M * DP;                                // [M]
+  float* lrow = mrow + round_up(M, 16);                      // [M]
+  float* S = lrow + round_up(M, 16);                         // [Mpad, NP] fp32
+  uint16_t* Qb = reinterpret_cast<uint16_t*>(S + Mpad * NP);  // [Mpad, D] bf16
+  uint16_t* Pb = Qb + Mpad * D;                              // [Mpad, NP] bf16
+  uint16_t* Kb = Pb + Mpad * NP;                             // [NP / 16][DC] tiles
+  uint16_t* Vb = Kb + NP * D;                                // [NP / 32][DB] tiles
+  float* tmp = reinterpret_cast<float*>(Vb + NP * D);        // one fp32 tile
+  const uint16_t** rows = reinterpret_cast<const uint16_t**>(tmp + 256);  // [KT] cache rows of the tile
+
+  const uint16_t* qsrc = static_cast<const uint16_t*>(p.query);
+  for (int64_t r = 0; r < Mpad; ++r) {
+    uint16_t* qr = Qb + r * D;
+    if (r < M) {
+      __builtin_memcpy(qr, qsrc + row_offset(p, it, r), D * 2);
+      for (int64_t d = 0; d < DP; d += 16) _mm512_storeu_ps(Acc + r * DP + d, _mm512_setzero_ps());
+      mrow[r] = -__builtin_inff();
+      lrow[r] = 0.f;
+    } else {
+      __builtin_memset(qr, 0, D * 2);
+    }
+  }
+
+  amx_attn_config();
+  const int64_t kv_hi = ctx + it.q_end;
+  const int64_t ntiles = (kv_hi + KT - 1) / KT;
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  const int64_t ld = hkv * D;
+  const uint16_t* kc = static_cast<const uint16_t*>(p.key_cache);
+  const uint16_t* vc = static_cast<const uint16_t*>(p.value_cache);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const float ninf = -__builtin_inff();
+
+  for (int64_t j = 0; j < ntiles; ++j) {
+    const int64_t t0 = j * KT;
+    const int64_t n = cb_min(KT, kv_hi - t0);
+    const int64_t n16 = round_up(n, 16), n32 = round_up(n, 32);
+    const int64_t r_start = cb_max(0, t0 - ctx - it.q_begin) * G;  // first row that sees this tile
+    const int64_t rt0 = r_start / 16;
+
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t blk = table[(t0 + t) / bs];
+      rows[t] = kc + (blk * bs + (t0 + t) % bs) * ld + h * D;
+    }
+    for (int64_t g = 0; g < n16 / 16; ++g)
+      for (int64_t c = 0; c < DC; ++c) amx_pack_k(rows, n, g, c, Kb + (g * DC + c) * 512);
+    for (int64_t t = 0; t < n; ++t) rows[t] = vc + (rows[t] - kc);  // V has K's layout
+    for (int64_t c = 0; c < n32 / 32; ++c)
+      for (int64_t b = 0; b < DB; ++b) amx_pack_v(rows, n, c, b, Vb + (c * DB + b) * 512);
+
+    for (int64_t rt = rt0; rt < Mpad / 16; ++rt) amx_scores<DC>(Qb + rt * 16 * D, D, Kb, n16, S + rt * 16 * NP, NP);
+
+    // Scale, mask, online softmax; P rows to bf16 (zero where a row sees
+    // nothing of this tile, or is padding).
+    for (int64_t r = rt0 * 16; r < Mpad; ++r) {
+      uint16_t* pr = Pb + r * NP;
+      if (r < r_start || r >= M) {
+        for (int64_t c = 0; c < n32; c += 32) _mm512_storeu_si512(pr + c, _mm512_setzero_si512());
+        continue;
+      }
+      const int64_t pos = ctx + it.q_begin + r / G;
+      const int64_t vis = cb_min(n, pos - t0 + 1);
+      float* s = S + r * NP;
+      for (int64_t c = 0; c < n16; c += 16) {
+        const __mmask16 keep = tail_mask(vis - c > 0 ? vis - c : 0);
+        _mm512_storeu_ps(s + c, _mm512_mask_mul_ps(_mm512_set1_ps(ninf), keep, _mm512_loadu_ps(s + c), scale));
+      }
+      online_softmax_row(s, n16, mrow[r], lrow[r], Acc + r * DP, DP);
+      for (int64_t c = 0; c < n16; c += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
+      if (n32 > n16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + n16), _mm256_setzero_si256());
+    }
+
+    for (int64_t rt = rt0; rt < Mpad / 16; ++rt) {
+      const uint16_t* prow = Pb + rt * 16 * NP;
+      const int64_t r_end = cb_min(M, rt * 16 + 16);
+      for (int64_t b = 0; b < DB; ++b) {
+        _tile_zero(0);
+        for (int64_t c = 0; c < n32 / 32; ++c) {
+          _tile_loadd(4, prow + 32 * c, NP * 2);
+          _tile_loadd(2, Vb + (c * DB + b) * 512, 64);
+          _tile_dpbf16ps(0, 4, 2);
+        }
+        _tile_stored(0, tmp, 64);
+        for (int64_t r = cb_max(rt * 16, r_start); r < r_end; ++r) {
+          float* a = Acc + r * DP + 16 * b;
+          _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(tmp + (r - rt * 16) * 16)));
+        }
+      }
+    }
+  }
+  _tile_release();
+  store_rows(p, it, Acc, lrow, DP);
+  return false;
+}
+
+}  // namespace
