@@ -4,9 +4,9 @@ Like weight prepacking, these are module swaps: the transformers decoder
 layer code runs unchanged and calls `self.input_layernorm(x)` and
 `self.mlp(x)` as always. RMSNorm becomes one native pass per row instead of
 seven ATen ops; the MLP computes gate and up with one prepacked matmul and
-SiLU-and-mul in one native pass (on AMX CPUs, in the matmul's epilogue). Rounding points follow the Hugging Face
-modules. Used for bf16 on CPUs with AVX-512 bf16 only; fp32 keeps the stock
-modules (the parity tests run there).
+SiLU-and-mul in one native pass (on AMX CPUs, in the matmul's epilogue).
+Rounding points follow the Hugging Face modules. Used for bf16 on CPUs with
+AVX-512 bf16 only; fp32 keeps the stock modules (the parity tests run there).
 """
 
 from __future__ import annotations

@@ -13,27 +13,18 @@
 // flash attention does for bf16; scores, softmax and accumulation are fp32.
 #pragma once
 
+#define CB_AMX_TILES_CONFIG_ONLY
+#include "amx_tiles.h"
+
 #define CB_AMX_ATTN \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")))
 
 namespace {
 
-struct alignas(64) AmxTileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes. Tile 0: accumulator; 2-3: K or V tiles;
-// 4-7: the row tile's query chunks (scores) or P (output).
+// Tile 0: accumulator; 2-3: K or V tiles; 4-7: the row tile's query chunks
+// (scores) or P (output). Every tile 16 rows x 64 bytes.
 CB_AMX_ATTN static inline void amx_attn_config() {
-  AmxTileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
+  const cbserve_amx::TileConfig16x64 cfg;
   _tile_loadconfig(&cfg);
 }
 

@@ -15,11 +15,8 @@
 #include <string>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
+#include "amx_tiles.h"
 #include "kernels.h"
 
 #ifdef CBSERVE_WITH_CUDA
@@ -85,14 +82,10 @@ CpuFeatures detect() {
   // avx512f is reported usable by __builtin_cpu_supports).
   __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
   f.avx512bf16 = f.avx512f && ((eax >> 5) & 1u);
-  // CPUID.(EAX=7,ECX=0):EDX[22] = AMX-BF16, [24] = AMX-TILE; Linux keeps the
-  // tile state off until the process asks (arch_prctl ARCH_REQ_XCOMP_PERM,
-  // XFEATURE_XTILEDATA = 18), as torch's oneDNN does too.
+  // CPUID.(EAX=7,ECX=0):EDX[22] = AMX-BF16, [24] = AMX-TILE; usable once
+  // Linux grants this process the tile state.
   __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-#if defined(__linux__)
-  if (f.avx512bf16 && ((edx >> 22) & 1u) && ((edx >> 24) & 1u))
-    f.amx_bf16 = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#endif
+  f.amx_bf16 = f.avx512bf16 && ((edx >> 22) & 1u) && ((edx >> 24) & 1u) && cbserve_amx::request_tile_state();
 #endif
   return f;
 }

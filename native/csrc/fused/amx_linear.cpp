@@ -13,6 +13,12 @@
 // column block's whole K sweep is contiguous. x is copied into a
 // zero-padded [M rounded up to 16, K rounded up to 32] buffer so that every
 // tile load stays in bounds.
+//
+// amx_linear_silu_mul is the MLP's gate|up projection on the same loop with
+// a different epilogue: amx_pack_gate_up interleaves the gate and up rows in
+// blocks of 16, so a thread's pair of column blocks is the gate and the up of
+// the same 16 features, and the pair's accumulators become silu(gate) * up
+// directly (the [M, 2I] projection is never written).
 
 #include "amx_linear.h"
 
@@ -26,9 +32,9 @@
 #include "cpu_isa.h"
 #include "linear_args.h"
 
+#include "../amx_tiles.h"
+
 #if CB_FUSED_X86
-#include <sys/syscall.h>
-#include <unistd.h>
 #define CB_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 #endif
 
@@ -44,31 +50,10 @@ constexpr int64_t kTileElems = kTileK * kTileN;  // 512 bf16 = 1 KB
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 #if CB_FUSED_X86
-// The 64-byte operand of LDTILECFG (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool request_tile_state() {
-  // Linux keeps AMX state off until a process asks (arch_prctl
-  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); torch's oneDNN asks too.
-  constexpr int kArchReqXcompPerm = 0x1023;
-  constexpr int kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
 // Tiles 0-3: accumulators C[m-half][n-block]; 4-5: x rows 0-15 / 16-31;
 // 6-7: weight tiles of the two column blocks. Every tile is 16 x 64 bytes.
 CB_AMX void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
+  const cbserve_amx::TileConfig16x64 cfg;
   _tile_loadconfig(&cfg);
 }
 
@@ -180,7 +165,7 @@ CB_AMX void run_pairs(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
 bool amx_linear_supported() {
 #if CB_FUSED_X86
   static const bool ok = has_avx512_bf16() && __builtin_cpu_supports("amx-tile") &&
-                         __builtin_cpu_supports("amx-bf16") && request_tile_state();
+                         __builtin_cpu_supports("amx-bf16") && cbserve_amx::request_tile_state();
   return ok;
 #else
   return false;
@@ -214,7 +199,8 @@ int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int6
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 5 && packed.size(0) == nblocks &&
                   packed.size(1) == Kpad / kTileK && packed.size(2) == kTileK / 2 && packed.size(3) == kTileN &&
                   packed.size(4) == 2,
-              "packed must come from amx_pack_weight of an [out_features, K] weight");
+              "packed must come from amx_pack_weight (or amx_pack_gate_up) of a weight with x's K and ",
+              n_features, " output features");
   return nblocks;
 }
 
