@@ -1,6 +1,6 @@
 // The AMX-BF16 path for bf16 prefill items (tokens x GQA group > 16 rows),
 // included by cpu_kernels_avx512.cpp after attn_body.h (it reuses V, the
-// online softmax and the row I/O from there).
+// online softmax, the row I/O and the cache-row offsets from there).
 //
 // Same structure as the tiled path (KV tiles of whole cache blocks, an online
 // softmax between tiles, fp32 accumulators), with both products on AMX tiles:
@@ -31,12 +31,12 @@ CB_AMX_ATTN static inline void amx_attn_config() {
 // Kb tile (g, c) for tokens [16 g, 16 g + 16) and dims [32 c, 32 c + 32):
 // row dp holds, for each token t, the pair K[t, 32 c + 2 dp .. + 1] — the
 // transpose of the tokens' 16-dword rows. Tokens >= n are zero.
-CB_AMX_ATTN static inline void amx_pack_k(const uint16_t* const* rows, int64_t n, int64_t g, int64_t c,
+CB_AMX_ATTN static inline void amx_pack_k(const uint16_t* kc, const int64_t* offs, int64_t n, int64_t g, int64_t c,
                                           uint16_t* tile) {
   __m512 r[16];
   for (int t = 0; t < 16; ++t) {
     const int64_t tok = 16 * g + t;
-    r[t] = tok < n ? _mm512_loadu_ps(rows[tok] + 32 * c) : _mm512_setzero_ps();
+    r[t] = tok < n ? _mm512_loadu_ps(kc + offs[tok] + 32 * c) : _mm512_setzero_ps();
   }
   transpose16(r);
   for (int t = 0; t < 16; ++t) _mm512_storeu_ps(tile + 32 * t, r[t]);
@@ -44,15 +44,15 @@ CB_AMX_ATTN static inline void amx_pack_k(const uint16_t* const* rows, int64_t n
 
 // Vb tile (c, b) for tokens [32 c, 32 c + 32) and dims [16 b, 16 b + 16):
 // row tp holds, for each dim, the pair (V[32 c + 2 tp, d], V[32 c + 2 tp + 1, d]).
-CB_AMX_ATTN static inline void amx_pack_v(const uint16_t* const* rows, int64_t n, int64_t c, int64_t b,
+CB_AMX_ATTN static inline void amx_pack_v(const uint16_t* vc, const int64_t* offs, int64_t n, int64_t c, int64_t b,
                                           uint16_t* tile) {
   const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int tp = 0; tp < 16; ++tp) {
     const int64_t a = 32 * c + 2 * tp;
-    const __m256i va = a < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[a] + 16 * b))
+    const __m256i va = a < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vc + offs[a] + 16 * b))
                              : _mm256_setzero_si256();
-    const __m256i vb = a + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[a + 1] + 16 * b))
+    const __m256i vb = a + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vc + offs[a + 1] + 16 * b))
                                  : _mm256_setzero_si256();
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
     _mm512_storeu_si512(tile + 32 * tp, _mm512_permutexvar_epi16(il, both));
@@ -90,14 +90,13 @@ CB_AMX_ATTN static inline void amx_scores(const uint16_t* Qb, int64_t D, const u
 
 template <int DC>
 CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it, float* scratch) {
-  const int64_t D = p.head_dim, bs = p.block_size, hkv = p.hkv;
-  const int64_t G = p.hq / hkv, h = it.kv_head;
+  const int64_t D = p.head_dim, G = p.hq / p.hkv;
   const int64_t q_len = p.cu_seqlens[it.seq + 1] - p.cu_seqlens[it.seq];
   const int64_t ctx = p.seq_lens[it.seq] - q_len;
   const int64_t M = (it.q_end - it.q_begin) * G;
   if (M <= 0) return false;
   const int64_t Mpad = round_up(M, 16);
-  const int64_t KT = cbserve_native::kv_tile(bs, M);
+  const int64_t KT = cbserve_native::kv_tile(p.block_size, M);
   const int64_t NP = round_up(KT, 32), DB = D / 16;
   const int64_t DP = D;  // D % 32 == 0
 
@@ -110,7 +109,7 @@ CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it
   uint16_t* Kb = Pb + Mpad * NP;                             // [NP / 16][DC] tiles
   uint16_t* Vb = Kb + NP * D;                                // [NP / 32][DB] tiles
   float* tmp = reinterpret_cast<float*>(Vb + NP * D);        // one fp32 tile
-  const uint16_t** rows = reinterpret_cast<const uint16_t**>(tmp + 256);  // [KT] cache rows of the tile
+  int64_t* offs = reinterpret_cast<int64_t*>(tmp + 256);     // [KT] cache rows of the tile (elements)
 
   const uint16_t* qsrc = static_cast<const uint16_t*>(p.query);
   for (int64_t r = 0; r < Mpad; ++r) {
@@ -126,10 +125,8 @@ CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it
   }
 
   amx_attn_config();
-  const int64_t kv_hi = ctx + it.q_end;
+  const int64_t kv_hi = item_kv_end(p, it);
   const int64_t ntiles = (kv_hi + KT - 1) / KT;
-  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
-  const int64_t ld = hkv * D;
   const uint16_t* kc = static_cast<const uint16_t*>(p.key_cache);
   const uint16_t* vc = static_cast<const uint16_t*>(p.value_cache);
   const __m512 scale = _mm512_set1_ps(p.scale);
@@ -142,15 +139,11 @@ CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it
     const int64_t r_start = cb_max(0, t0 - ctx - it.q_begin) * G;  // first row that sees this tile
     const int64_t rt0 = r_start / 16;
 
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t blk = table[(t0 + t) / bs];
-      rows[t] = kc + (blk * bs + (t0 + t) % bs) * ld + h * D;
-    }
+    item_offsets(p, it, t0, n, offs);  // K and V share the layout
     for (int64_t g = 0; g < n16 / 16; ++g)
-      for (int64_t c = 0; c < DC; ++c) amx_pack_k(rows, n, g, c, Kb + (g * DC + c) * 512);
-    for (int64_t t = 0; t < n; ++t) rows[t] = vc + (rows[t] - kc);  // V has K's layout
+      for (int64_t c = 0; c < DC; ++c) amx_pack_k(kc, offs, n, g, c, Kb + (g * DC + c) * 512);
     for (int64_t c = 0; c < n32 / 32; ++c)
-      for (int64_t b = 0; b < DB; ++b) amx_pack_v(rows, n, c, b, Vb + (c * DB + b) * 512);
+      for (int64_t b = 0; b < DB; ++b) amx_pack_v(vc, offs, n, c, b, Vb + (c * DB + b) * 512);
 
     for (int64_t rt = rt0; rt < Mpad / 16; ++rt) amx_scores<DC>(Qb + rt * 16 * D, D, Kb, n16, S + rt * 16 * NP, NP);
 

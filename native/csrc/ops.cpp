@@ -15,7 +15,6 @@
 #include <string>
 #include <vector>
 
-
 #include "amx_tiles.h"
 #include "kernels.h"
 
