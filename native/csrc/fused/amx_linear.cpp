@@ -62,16 +62,12 @@ CB_AMX void load_tile_config() {
 CB_AMX void store_block(const float* acc, const uint16_t* bias, uint16_t* y, int64_t rows, int64_t N,
                         int64_t n0) {
   if (n0 >= N) return;
-  const __mmask16 nmask = static_cast<__mmask16>(N - n0 >= kTileN ? 0xFFFF : (1u << (N - n0)) - 1);
-  __m512 b = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    const __m256i bb = _mm256_maskz_loadu_epi16(nmask, bias + n0);
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 s = _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileN), b);
-    _mm256_mask_storeu_epi16(y + r * N + n0, nmask, (__m256i)_mm512_cvtneps_pbh(s));
-  }
+  const __mmask16 nmask = lanes(N - n0);
+  const __m512 b = bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), nmask)
+                                   : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r)
+    store_bf16(reinterpret_cast<c10::BFloat16*>(y + r * N + n0), _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileN), b),
+               nmask);
 }
 
 // The SiLU-and-mul epilogue: rows [r0, r0 + rows) x features [f0, f0 + 16)

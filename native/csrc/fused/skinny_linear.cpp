@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "bf16_vec.h"
 #include "cpu_isa.h"
 #include "linear_args.h"
 
@@ -43,12 +44,9 @@ CB_AVX512BF16 void block16(const uint16_t* x, const uint16_t* w, const uint16_t*
   for (int64_t i = 0; i < kRows; ++i) wr[i] = w + (n0 + i < N ? n0 + i : N - 1) * K;
   const int64_t kfull = K / 32 * 32;
   const __mmask32 ktail = static_cast<__mmask32>((uint64_t(1) << (K - kfull)) - 1);
-  const __mmask16 nmask = static_cast<__mmask16>(N - n0 >= kRows ? 0xFFFF : (1u << (N - n0)) - 1);
-  __m512 b = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    const __m256i bb = _mm256_maskz_loadu_epi16(nmask, bias + n0);
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
-  }
+  const __mmask16 nmask = lanes(N - n0);
+  const __m512 b = bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), nmask)
+                                   : _mm512_setzero_ps();
   // The next block's rows (contiguous after this block's) are prefetched into
   // L2 while this one computes: 16 interleaved short row streams are more
   // than the hardware prefetcher follows well.
@@ -80,10 +78,8 @@ CB_AVX512BF16 void block16(const uint16_t* x, const uint16_t* w, const uint16_t*
       __m512* a = r == 0 ? acc0 : acc1;
       __m512 s = hsum_quads(hsum4_lanes(a[0], a[1], a[2], a[3]), hsum4_lanes(a[4], a[5], a[6], a[7]),
                             hsum4_lanes(a[8], a[9], a[10], a[11]), hsum4_lanes(a[12], a[13], a[14], a[15]));
-      s = _mm512_add_ps(s, b);
-      // Round to nearest even, as oneDNN's bf16 output does.
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(s);
-      _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, nmask, out);
+      // Rounded to nearest even, as oneDNN's bf16 output is.
+      store_bf16(reinterpret_cast<c10::BFloat16*>(y + (m0 + r) * N + n0), _mm512_add_ps(s, b), nmask);
     }
   }
 }
