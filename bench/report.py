@@ -139,19 +139,43 @@ def roofline_bounds_table(roof: dict) -> str:
                    "cbserve decode tok/s @64", "share of bound"], rows)
 
 
+def memory_roof_table(roof: dict) -> str:
+    """The memory roof: bytes a decode step at batch 64 reads (weights + K/V
+    at the overhead run's mean context) at the measured stream bandwidth, and
+    the roofline bound, the lower of the two roofs."""
+    if roof.get("stream_gb_s") is None:
+        return ""
+    rows = []
+    for b in roof.get("bounds", []):
+        rows.append([b["dtype"], _fmt(roof["stream_gb_s"]), str(roof.get("context", "–")), _fmt(b.get("step_mb")),
+                     _fmt(b.get("memory_bound_tok_s")), _fmt(b["decode_bound_tok_s"]),
+                     _fmt(b.get("roofline_bound_tok_s")), _fmt(b.get("cbserve_decode_tok_s")),
+                     _share(b.get("roofline_share"))])
+    return _table(["dtype", "stream GB/s", "context", "MB read per step", "memory bound tok/s",
+                   "compute bound tok/s", "roofline bound tok/s", "cbserve decode tok/s @64",
+                   "share of roofline"], rows)
+
+
 def overhead_table(ov: list[dict]) -> str:
     """Per iteration: the router's whole cycle, the executor's Step (plan in,
     tokens out) and the model forward inside it. Router + transport = iteration
     - executor step (scheduling, plan building, serialisation, gRPC, result
     handling, detokenisation); outside the forward adds the executor's own
-    per-step work (metadata, sampling)."""
+    per-step work (metadata, sampling). Router / client CPU: CPU time of the
+    router process and of the load generator per iteration (from /proc);
+    their share of the iteration is how long one of the executor's two
+    threads was, on a 2-core machine, off its core: that cost lands inside the
+    forward, where the timers above do not separate it."""
     rows = []
     for o in ov:
         rows.append([str(o["batch"]), _fmt(o.get("decode_tok_s")), _ms(o.get("iteration_mean_s")),
                      _ms(o.get("executor_step_mean_s")), _ms(o.get("inner_mean_s")), o.get("inner_metric", "–"),
-                     _share(o.get("router_share")), _share(o.get("overhead_share")), o.get("note", "")])
+                     _share(o.get("router_share")), _share(o.get("overhead_share")),
+                     _fmt(o.get("router_cpu_ms"), 2), _fmt(o.get("client_cpu_ms"), 2),
+                     _share(o.get("side_cpu_share")), o.get("note", "")])
     return _table(["batch", "decode tok/s", "iteration ms", "executor step ms", "inner ms", "inner metric",
-                   "router + transport", "outside the forward", "note"], rows)
+                   "router + transport", "outside the forward", "router CPU ms", "client CPU ms",
+                   "router + client CPU / iteration", "note"], rows)
 
 
 def rate_table(sweep: list[dict]) -> str:
@@ -297,6 +321,9 @@ def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks
         roof = results["roofline"]
         lines += ["## Roofline", "", roof.get("text", ""), "", roofline_table(roof), "",
                   roofline_bounds_table(roof), ""]
+        mem = memory_roof_table(roof)
+        if mem:
+            lines += [" ".join(memory_roof_table.__doc__.split()), "", mem, ""]
     if results.get("overheads"):
         lines += ["## Per-iteration overhead outside the model forward", "",
                   " ".join(overhead_table.__doc__.split()), "", overhead_table(results["overheads"]), ""]

