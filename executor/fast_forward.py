@@ -8,15 +8,17 @@ This forward runs the same weights in eight calls per layer:
 
     h  = add_rms_norm(x, residual)        # residual += x; RMSNorm
     qkv = qkv_proj(h)                     # one prepacked matmul for q, k and v
-    q, k, v = rope_split(qkv, cos, sin)   # rotary on q/k, contiguous heads
-    reshape_and_cache(k, v); paged_attention(q)
+    q = rope_cache(qkv, cos, sin, cache)  # rotary on q/k; k, v into their cache slots
+    paged_attention(q)
     o  = o_proj(attn)
     h  = add_rms_norm(o, residual)
-    x  = mlp(h)                           # FusedMLP: gate|up matmul + SiLU-mul, down
+    x  = down(act(h))                     # FusedMLP: gate|up matmul with SiLU-mul, down
 
 with the rounding points of the Hugging Face modules (every bf16 product and
 sum rounded where the model's code rounds it), so its greedy output matches
-the transformers forward. Used only where `fuse_llama_blocks` applied (bf16 on
+the transformers forward. With the 'torch' attention backend the rotated k
+and v go through that backend's reshape_and_cache instead (rope_split), so
+the reference backend stays a reference for the cache write too. Used only where `fuse_llama_blocks` applied (bf16 on
 AVX-512 bf16 CPUs) and the model is a plain Llama; otherwise the runner calls
 the transformers model with the registered paged-attention function.
 """
@@ -71,6 +73,10 @@ class LeanLlamaForward:
         cfg = model.config
         self._add_rms_norm = fused.add_rms_norm
         self._rope_split = fused.rope_split
+        self._rope_cache = fused.rope_cache
+        from native import _C
+
+        self._native_write = _C.reshape_and_cache
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
@@ -92,6 +98,8 @@ class LeanLlamaForward:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         cache = meta.kv_cache
         write_kv, attend = meta.reshape_and_cache, meta.paged_attention
+        # The native backend's cache write is fused into the rotary pass.
+        fused_write = write_kv is self._native_write
         x = None
         T = residual.shape[0]
         attn = None  # one output buffer for every layer: o_proj has read it before the next layer writes
@@ -100,9 +108,13 @@ class LeanLlamaForward:
                 h = L.in_norm(residual)
             else:
                 h = self._add_rms_norm(x, residual, L.in_norm.weight, L.in_norm.eps)
-            q, k, v = self._rope_split(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim)
             kc, vc = cache.key[L.index], cache.value[L.index]
-            write_kv(k, v, kc, vc, meta.slot_mapping)
+            if fused_write:
+                q = self._rope_cache(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim, kc, vc,
+                                     meta.slot_mapping)
+            else:
+                q, k, v = self._rope_split(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim)
+                write_kv(k, v, kc, vc, meta.slot_mapping)
             if attn is None:
                 attn = torch.empty_like(q)
             attend(attn, q, kc, vc, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, L.scale)

@@ -83,6 +83,78 @@ def test_rope_split_is_bit_exact_with_transformers(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_cache_equals_rope_split_then_reshape_and_cache(dtype):
+    import native._fused as fused
+    from native import _C
+
+    torch.manual_seed(2)
+    T, hq, hkv, D, nb, bs = 41, 9, 3, 64, 12, 16
+    qkv = torch.randn(T, (hq + 2 * hkv) * D).to(dtype)
+    cos, sin = torch.randn(T, D).to(dtype), torch.randn(T, D).to(dtype)
+    kc, vc = torch.randn(nb, bs, hkv, D).to(dtype), torch.randn(nb, bs, hkv, D).to(dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    # Scattered slots (decode-like), one token skipped by a negative slot.
+    slots = torch.randperm(nb * bs)[:T].long()
+    slots[5] = -1
+    q = fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc, vc, slots)
+    q_ref, k_ref, v_ref = fused.rope_split(qkv, cos, sin, hq, hkv, D)
+    _C.reshape_and_cache(k_ref, v_ref, kc_ref, vc_ref, slots)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    # Contiguous slots (a prompt's), and no tokens at all.
+    seq = torch.arange(T, dtype=torch.long) + 7
+    fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc, vc, seq)
+    assert torch.equal(kc.view(-1, hkv, D)[7:7 + T], k_ref) and torch.equal(vc.view(-1, hkv, D)[7:7 + T], v_ref)
+    empty = fused.rope_cache(qkv[:0], cos[:0], sin[:0], hq, hkv, D, kc, vc, seq[:0])
+    assert empty.shape == (0, hq, D)
+
+
+def test_rope_cache_rejects_bad_arguments_without_writing():
+    import native._fused as fused
+
+    T, hq, hkv, D = 4, 2, 1, 8
+    qkv, cos, sin = torch.randn(T, (hq + 2 * hkv) * D), torch.randn(T, D), torch.randn(T, D)
+    kc, vc = torch.zeros(2, 4, hkv, D), torch.zeros(2, 4, hkv, D)
+    with pytest.raises(IndexError, match="out of range"):
+        fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc, vc, torch.tensor([0, 1, 8, 2]))
+    assert not kc.any() and not vc.any()  # checked before anything is written
+    with pytest.raises(RuntimeError, match="num_blocks, block_size, Hkv, D"):
+        fused.rope_cache(qkv, cos, sin, hq, hkv, D, torch.zeros(2, 4, 2, D), torch.zeros(2, 4, 2, D),
+                         torch.arange(T))
+    with pytest.raises(RuntimeError, match="dtype"):
+        fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc.bfloat16(), vc.bfloat16(), torch.arange(T))
+    with pytest.raises(RuntimeError, match="int64"):
+        fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc, vc, torch.arange(T, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc, torch.zeros(3, 4, hkv, D), torch.arange(T))
+
+
+@needs_bf16
+def test_lean_forward_fuses_the_cache_write_for_the_native_backend_only(monkeypatch):
+    import native._fused as fused
+
+    calls = {"rope_cache": 0, "rope_split": 0}
+    for name in calls:
+        real = getattr(fused, name)
+
+        def counted(*a, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*a)
+
+        monkeypatch.setattr(fused, name, counted)
+    prompts = [[(3 * i + L) % 250 + 3 for i in range(L)] for L in (5, 30)]
+    native_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
+    got = _greedy(native_rt, prompts, 6)
+    assert calls["rope_cache"] > 0 and calls["rope_split"] == 0
+    calls.update(rope_cache=0, rope_split=0)
+    torch_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
+                           attention_backend="torch")
+    ref = _greedy(torch_rt, prompts, 6)
+    assert calls["rope_split"] > 0 and calls["rope_cache"] == 0
+    _assert_greedy_agrees(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_add_rms_norm_matches_residual_add_then_llama_rmsnorm(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

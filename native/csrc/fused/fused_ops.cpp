@@ -104,9 +104,11 @@ inline void rope_row(T* y, const T* x, const T* c, const T* s, int64_t D) {
   }
 }
 
+// Token t's k and v heads go to row `slots[t]` of k / v ([rows, Hkv, D]; a
+// negative slot skips them), or to row t when `slots` is null.
 template <typename T>
-void rope_split_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v, int64_t rows, int64_t hq,
-                     int64_t hkv, int64_t D) {
+void rope_split_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v, const int64_t* slots,
+                     int64_t rows, int64_t hq, int64_t hkv, int64_t D) {
   const int64_t width = (hq + 2 * hkv) * D;
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t t = r0; t < r1; ++t) {
@@ -114,9 +116,11 @@ void rope_split_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v,
       const T* c = cos + t * D;
       const T* s = sin + t * D;
       for (int64_t h = 0; h < hq; ++h) rope_row<T>(q + (t * hq + h) * D, src + h * D, c, s, D);
-      for (int64_t h = 0; h < hkv; ++h) rope_row<T>(k + (t * hkv + h) * D, src + (hq + h) * D, c, s, D);
+      const int64_t dst = slots != nullptr ? slots[t] : t;
+      if (dst < 0) continue;
+      for (int64_t h = 0; h < hkv; ++h) rope_row<T>(k + (dst * hkv + h) * D, src + (hq + h) * D, c, s, D);
       const T* vs = src + (hq + hkv) * D;
-      T* vd = v + t * hkv * D;
+      T* vd = v + dst * hkv * D;
       for (int64_t i = 0; i < hkv * D; ++i) vd[i] = vs[i];
     }
   });
@@ -229,16 +233,29 @@ CB_AVX512BF16 void rope_row_bf16(c10::BFloat16* y, const c10::BFloat16* x, const
 }
 
 CB_AVX512BF16 void rope_split_bf16_rows(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin,
-                                        c10::BFloat16* q, c10::BFloat16* k, c10::BFloat16* v, int64_t r0, int64_t r1,
-                                        int64_t hq, int64_t hkv, int64_t D) {
+                                        c10::BFloat16* q, c10::BFloat16* k, c10::BFloat16* v, const int64_t* slots,
+                                        int64_t r0, int64_t r1, int64_t hq, int64_t hkv, int64_t D) {
   const int64_t width = (hq + 2 * hkv) * D;
+  const int64_t row_bytes = hkv * D * static_cast<int64_t>(sizeof(c10::BFloat16));
   for (int64_t t = r0; t < r1; ++t) {
     const c10::BFloat16* src = qkv + t * width;
     const c10::BFloat16* c = cos + t * D;
     const c10::BFloat16* s = sin + t * D;
+    // Decode tokens' cache slots lie in scattered blocks the hardware
+    // prefetcher cannot guess: ask for the next token's lines for writing.
+    if (slots != nullptr && t + 1 < r1 && slots[t + 1] >= 0) {
+      const char* kn = reinterpret_cast<const char*>(k + slots[t + 1] * hkv * D);
+      const char* vn = reinterpret_cast<const char*>(v + slots[t + 1] * hkv * D);
+      for (int64_t o = 0; o < row_bytes; o += 64) {
+        __builtin_prefetch(kn + o, 1, 3);
+        __builtin_prefetch(vn + o, 1, 3);
+      }
+    }
     for (int64_t h = 0; h < hq; ++h) rope_row_bf16(q + (t * hq + h) * D, src + h * D, c, s, D);
-    for (int64_t h = 0; h < hkv; ++h) rope_row_bf16(k + (t * hkv + h) * D, src + (hq + h) * D, c, s, D);
-    std::memcpy(v + t * hkv * D, src + (hq + hkv) * D, sizeof(c10::BFloat16) * hkv * D);
+    const int64_t dst = slots != nullptr ? slots[t] : t;
+    if (dst < 0) continue;
+    for (int64_t h = 0; h < hkv; ++h) rope_row_bf16(k + (dst * hkv + h) * D, src + (hq + h) * D, c, s, D);
+    std::memcpy(v + dst * hkv * D, src + (hq + hkv) * D, sizeof(c10::BFloat16) * hkv * D);
   }
 }
 
@@ -345,28 +362,29 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
   return out;
 }
 
-// Rotary embedding on a fused QKV projection, split into contiguous heads.
-//   qkv      [T, (Hq + 2 Hkv) * D] contiguous (q heads, then k, then v)
-//   cos, sin [T, D] same dtype (the model's rotary table at each token's position)
-// returns (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]), rotary applied to q and k.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Tensor& cos,
-                                                                   const torch::Tensor& sin, int64_t hq, int64_t hkv,
-                                                                   int64_t head_dim) {
+namespace {
+
+// Checks qkv [T, (Hq + 2 Hkv) * D] and cos / sin [T, D] of one dtype.
+void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t hq,
+                     int64_t hkv, int64_t head_dim) {
   check_row_major(qkv, "qkv");
   check_row_major(cos, "cos");
   check_row_major(sin, "sin");
   TORCH_CHECK(hq > 0 && hkv > 0 && head_dim > 0 && head_dim % 2 == 0,
               "need positive head counts and an even head_dim");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * head_dim, "qkv must be [T, (Hq + 2 Hkv) * D]");
-  const int64_t T = qkv.size(0);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
               "cos and sin must be [T, head_dim]");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "qkv, cos and sin must share a dtype");
-  auto q = torch::empty({T, hq, head_dim}, qkv.options());
-  auto k = torch::empty({T, hkv, head_dim}, qkv.options());
-  auto v = torch::empty({T, hkv, head_dim}, qkv.options());
-  if (T == 0) return {q, k, v};
+}
+
+// Rotary on q (into q) and k, k and v of token t into row slots[t] of k / v
+// (row t when slots is null), on the AVX-512 path where it applies.
+void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& q,
+              torch::Tensor& k, torch::Tensor& v, const int64_t* slots, int64_t hq, int64_t hkv, int64_t head_dim) {
+  const int64_t T = qkv.size(0);
+  if (T == 0) return;
 #if CB_FUSED_X86
   if (qkv.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     using B = c10::BFloat16;
@@ -377,17 +395,66 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::
     B* kp = k.data_ptr<B>();
     B* vp = v.data_ptr<B>();
     at::parallel_for(0, T, 8, [&](int64_t r0, int64_t r1) {
-      rope_split_bf16_rows(src, c, s, qp, kp, vp, r0, r1, hq, hkv, head_dim);
+      rope_split_bf16_rows(src, c, s, qp, kp, vp, slots, r0, r1, hq, hkv, head_dim);
     });
-    return {q, k, v};
+    return;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_split", [&] {
     rope_split_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                              q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), T, hq, hkv,
-                              head_dim);
+                              q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots, T, hq,
+                              hkv, head_dim);
   });
+}
+
+}  // namespace
+
+// Rotary embedding on a fused QKV projection, split into contiguous heads.
+//   qkv      [T, (Hq + 2 Hkv) * D] contiguous (q heads, then k, then v)
+//   cos, sin [T, D] same dtype (the model's rotary table at each token's position)
+// returns (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]), rotary applied to q and k.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Tensor& cos,
+                                                                   const torch::Tensor& sin, int64_t hq, int64_t hkv,
+                                                                   int64_t head_dim) {
+  check_rope_args(qkv, cos, sin, hq, hkv, head_dim);
+  const int64_t T = qkv.size(0);
+  auto q = torch::empty({T, hq, head_dim}, qkv.options());
+  auto k = torch::empty({T, hkv, head_dim}, qkv.options());
+  auto v = torch::empty({T, hkv, head_dim}, qkv.options());
+  run_rope(qkv, cos, sin, q, k, v, nullptr, hq, hkv, head_dim);
   return {q, k, v};
+}
+
+// rope_split with k and v written straight into their slots of the paged KV
+// cache (what reshape_and_cache does with rope_split's k and v, without the
+// intermediate tensors or a second pass).
+//   key_cache, value_cache [num_blocks, block_size, Hkv, D], qkv's dtype, written in place
+//   slot_mapping           [T] int64: block_id * block_size + offset; negative skips the token
+// returns q [T, Hq, D].
+torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t hq,
+                         int64_t hkv, int64_t head_dim, torch::Tensor& key_cache, torch::Tensor& value_cache,
+                         const torch::Tensor& slot_mapping) {
+  check_rope_args(qkv, cos, sin, hq, hkv, head_dim);
+  const int64_t T = qkv.size(0);
+  for (const auto* c : {&key_cache, &value_cache}) {
+    check_row_major(*c, "key_cache / value_cache");
+    TORCH_CHECK(c->dim() == 4 && c->size(2) == hkv && c->size(3) == head_dim,
+                "key_cache and value_cache must be [num_blocks, block_size, Hkv, D] with Hkv = ", hkv,
+                " and D = ", head_dim);
+    TORCH_CHECK(c->scalar_type() == qkv.scalar_type(), "the caches must have qkv's dtype");
+  }
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ");
+  check_row_major(slot_mapping, "slot_mapping");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == T,
+              "slot_mapping must be int64 [T]");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_INDEX(slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t], " is out of range for a cache of ",
+                      num_slots, " slots");
+  auto q = torch::empty({T, hq, head_dim}, qkv.options());
+  run_rope(qkv, cos, sin, q, key_cache, value_cache, slots, hq, hkv, head_dim);
+  return q;
 }
 
 // Greedy decoding: the first index of each row's maximum, as torch.max(dim=-1)
@@ -431,6 +498,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("head_dim"),
         "Rotary embedding (rotate-half) on q and k of a fused [T, (Hq+2Hkv)*D] projection; returns "
         "contiguous (q, k, v).");
+  m.def("rope_cache", &rope_cache, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_q_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>(),
+        "rope_split with k and v written into their slots of the paged KV cache "
+        "([num_blocks, block_size, Hkv, D]; a negative slot skips the token); returns q [T, Hq, D].");
   m.def("skinny_linear", &cbserve_fused::skinny_linear, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
         "x [M, K] @ weight [N, K]^T (+ bias) in bf16 for a few rows (decode), streaming the weights once; "
