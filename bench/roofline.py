@@ -191,16 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench roofline")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--context", type=int, default=152,
+                    help="tokens of context per sequence for the memory roof (K/V read per step)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     a = ap.parse_args(argv)
     roof = measure(a.batch, tuple(a.dtypes.split(",")), progress=True)
     roof["torch"] = torch.__version__
+    attach_memory_roof(roof, stream_gb_s(), context=a.context)
     for m in roof["matmuls"]:
         print(f"{m['dtype']:>9} {m['name']:>9} {m['m']}x{m['k']}x{m['n']:<6} {m['gflops']:7.1f} GFLOP/s "
               f"{m['ms']:.3f} ms")
     for b in roof["bounds"]:
         print(f"{b['dtype']:>9}: weighted {b['gflops_weighted']:.1f} GFLOP/s -> decode bound "
-              f"{b['decode_bound_tok_s']:.0f} tok/s at batch {a.batch}")
+              f"{b['decode_bound_tok_s']:.0f} tok/s at batch {a.batch}; memory roof "
+              f"{b['memory_bound_tok_s']:.0f} tok/s ({b['step_mb']:.0f} MB a step at {roof['stream_gb_s']:.1f} GB/s, "
+              f"{a.context} tokens of context) -> roofline bound {b['roofline_bound_tok_s']:.0f} tok/s")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(roof, f, indent=2)

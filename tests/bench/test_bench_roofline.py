@@ -51,3 +51,22 @@ def test_stream_bandwidth_is_measured():
     from bench.roofline import stream_gb_s
 
     assert 0.1 < stream_gb_s(mib=16, reps=2) < 10_000
+
+
+def test_cli_reports_the_memory_roof(monkeypatch, capsys, tmp_path):
+    import json
+
+    import bench.roofline as rl
+
+    tiny = dict(hidden=16, intermediate=32, heads=2, kv_heads=1, head_dim=8, layers=2, vocab=64)
+    real = rl.measure
+    monkeypatch.setattr(rl, "measure", lambda batch, dtypes, progress: real(batch, dtypes, cfg=tiny,
+                                                                             min_time_s=0.002))
+    monkeypatch.setattr(rl, "stream_gb_s", lambda: 20.0)
+    out = tmp_path / "roof.json"
+    assert rl.main(["--dtypes", "float32", "--batch", "4", "--context", "100", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "memory roof" in printed and "roofline bound" in printed and "100 tokens of context" in printed
+    b = json.loads(out.read_text())["bounds"][0]
+    assert b["roofline_bound_tok_s"] == min(b["memory_bound_tok_s"], b["decode_bound_tok_s"])
+    assert math.isclose(b["memory_bound_tok_s"], 4 / (rl.step_bytes(4, 100, "float32") / 20e9))
