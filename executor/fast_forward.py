@@ -18,9 +18,10 @@ with the rounding points of the Hugging Face modules (every bf16 product and
 sum rounded where the model's code rounds it), so its greedy output matches
 the transformers forward. With the 'torch' attention backend the rotated k
 and v go through that backend's reshape_and_cache instead (rope_split), so
-the reference backend stays a reference for the cache write too. Used only where `fuse_llama_blocks` applied (bf16 on
-AVX-512 bf16 CPUs) and the model is a plain Llama; otherwise the runner calls
-the transformers model with the registered paged-attention function.
+the reference backend stays a reference for the cache write too. Used only
+where `fuse_llama_blocks` applied (bf16 on AVX-512 bf16 CPUs) and the model
+is a plain Llama; otherwise the runner calls the transformers model with the
+registered paged-attention function.
 """
 
 from __future__ import annotations
