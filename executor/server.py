@@ -1,4 +1,4 @@
-"""The executor's gRPC service: Describe, Step, Reset, and grpc.health.v1."""
+"""The executor's gRPC service: Describe, Step / StepStream, Reset, and grpc.health.v1."""
 
 from __future__ import annotations
 
@@ -103,21 +103,37 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             if not in_turn:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"plan {request.step_id} waited {PLAN_ORDER_TIMEOUT_S}s for plan {self._next_step}")
-            self._next_step = request.step_id + 1
-            self._order.notify_all()
-            try:
-                out = self.worker.call(self.runner.step, request)
-            except (PlanError, KeyError, IndexError, ValueError) as exc:
-                _LOGGER.warning("rejected plan", step_id=request.step_id, error=str(exc))
-                self.metrics.rejected_plans.inc()
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            m = self.metrics
-            m.steps.inc()
-            m.step_seconds.observe(out.step_seconds)
-            m.forward_seconds.observe(out.forward_seconds)
-            m.step_tokens.observe(sum(s.num_tokens for s in request.seqs))
-            m.sampled_tokens.inc(len(out.token_ids))
-            m.sequences.set(len(self.runner.state))
+            return self._run(request, context)
+
+    def StepStream(self, request_iterator, context):
+        """Plans in stream order (the stream is the order), one result each.
+        A Reset from another call ends the stream before its next plan runs."""
+        with self._order:
+            epoch = self._epoch
+        for request in request_iterator:
+            with self._order:
+                if self._epoch != epoch:
+                    context.abort(grpc.StatusCode.ABORTED, f"plan {request.step_id} dropped: state was reset")
+                result = self._run(request, context)
+            yield result
+
+    def _run(self, request: pb.Plan, context) -> pb.StepResult:
+        """Runs one plan on the main thread; holds `_order`."""
+        self._next_step = request.step_id + 1
+        self._order.notify_all()
+        try:
+            out = self.worker.call(self.runner.step, request)
+        except (PlanError, KeyError, IndexError, ValueError) as exc:
+            _LOGGER.warning("rejected plan", step_id=request.step_id, error=str(exc))
+            self.metrics.rejected_plans.inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        m = self.metrics
+        m.steps.inc()
+        m.step_seconds.observe(out.step_seconds)
+        m.forward_seconds.observe(out.forward_seconds)
+        m.step_tokens.observe(sum(s.num_tokens for s in request.seqs))
+        m.sampled_tokens.inc(len(out.token_ids))
+        m.sequences.set(len(self.runner.state))
         return pb.StepResult(
             step_id=request.step_id,
             seq_ids=out.seq_ids,

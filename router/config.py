@@ -49,6 +49,9 @@ class ExecutorConfig:
     address: str = "unix:///tmp/cbserve-executor.sock"
     # A step that takes longer than this means the executor hung: treated as down.
     step_timeout_s: float = 60.0
+    # Send plans on one long-lived bidirectional stream (StepStream) instead of
+    # a unary Step call per iteration (less CPU and latency on both sides).
+    step_stream: bool = True
     # Back-off between reconnection attempts after the executor went away.
     reconnect_backoff_s: float = 0.5
     reconnect_backoff_max_s: float = 5.0

@@ -255,6 +255,8 @@ class Engine:
                     self._launch_ahead(inflight)
         finally:
             for task, _, _ in inflight:
+                if task.done() and not task.cancelled():
+                    task.exception()  # failed with the stream: retrieved, not logged as lost
                 task.cancel()
 
     def _launch(self, out: SchedulerOutput) -> tuple[asyncio.Task, SchedulerOutput, float]:

@@ -1,9 +1,16 @@
 """The router's connection to the executor: Describe, Step and Reset over one
-gRPC channel (Unix socket when co-located, TCP with optional TLS otherwise)."""
+gRPC channel (Unix socket when co-located, TCP with optional TLS otherwise).
+
+Plans go on one long-lived StepStream call by default (`executor.step_stream`):
+the router writes plans in order (a pipelined decode has two in flight) and
+one reader task hands each StepResult to the plan that is first in line. A
+broken stream fails every plan in flight the way a failed unary Step does,
+and the next plan opens a new stream."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import grpc
 import structlog
@@ -25,6 +32,7 @@ class ExecutorClient:
         self.cfg = cfg
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ExecutorStub | None = None
+        self._stream: _StepStream | None = None
 
     def _open(self) -> None:
         options = [
@@ -43,6 +51,7 @@ class ExecutorClient:
         self._stub = pb_grpc.ExecutorStub(self._channel)
 
     async def close(self) -> None:
+        self._drop_stream("the router closed the connection")
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
@@ -69,19 +78,107 @@ class ExecutorClient:
             delay = min(delay * 2, self.cfg.reconnect_backoff_max_s)
 
     async def step(self, plan: pb.Plan) -> pb.StepResult:
+        """Runs one plan. Raises ValueError when the executor rejected it and
+        ExecutorUnavailable when it failed, hung past `step_timeout_s` or went away."""
         if self._stub is None:
             self._open()
+        if not self.cfg.step_stream:
+            try:
+                return await self._stub.Step(plan, timeout=self.cfg.step_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                raise _step_error(exc) from exc
+        if self._stream is None or self._stream.broken:
+            self._stream = _StepStream(self._stub.StepStream())
+        stream = self._stream
+        fut = await stream.send(plan)
         try:
-            return await self._stub.Step(plan, timeout=self.cfg.step_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(f"executor rejected the plan: {exc.details()}") from exc
-            raise ExecutorUnavailable(f"Step failed: {exc.code().name}: {exc.details()}") from exc
+            return await asyncio.wait_for(asyncio.shield(fut), self.cfg.step_timeout_s)
+        except asyncio.TimeoutError:
+            # Worded as the unary call's deadline: the supervisor kills a hung executor on it.
+            stream.fail(ExecutorUnavailable(f"Step failed: DEADLINE_EXCEEDED: plan {plan.step_id} took over "
+                                            f"{self.cfg.step_timeout_s}s"))
+            raise fut.exception() from None
+
+    def _drop_stream(self, why: str) -> None:
+        if self._stream is not None:
+            self._stream.fail(ExecutorUnavailable(why))
+            self._stream = None
 
     async def reset(self) -> None:
+        # Plans still on the old stream belong to the state being dropped.
+        self._drop_stream("the executor was reset")
         if self._stub is None:
             self._open()
         try:
             await self._stub.Reset(pb.ResetRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             raise ExecutorUnavailable(f"Reset failed: {exc.code().name}") from exc
+
+
+def _step_error(exc: grpc.aio.AioRpcError) -> Exception:
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(f"executor rejected the plan: {exc.details()}")
+    return ExecutorUnavailable(f"Step failed: {exc.code().name}: {exc.details()}")
+
+
+class _StepStream:
+    """One StepStream call: plans written in order, results matched in order."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.broken = False
+        self._pending: deque[tuple[int, asyncio.Future]] = deque()
+        self._write_lock = asyncio.Lock()
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name="cbserve-step-stream")
+
+    async def send(self, plan: pb.Plan) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        if self.broken:
+            fut.set_exception(ExecutorUnavailable("Step failed: the step stream is closed"))
+            return fut
+        self._pending.append((plan.step_id, fut))
+        try:
+            async with self._write_lock:
+                await self.call.write(plan)
+        except grpc.aio.AioRpcError as exc:
+            self.fail(_step_error(exc))
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the call ended under us
+            self.fail(ExecutorUnavailable(f"Step failed: {exc}"))
+        return fut
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                result = await self.call.read()
+                if result is grpc.aio.EOF:
+                    self.fail(ExecutorUnavailable("Step failed: the executor ended the step stream"))
+                    return
+                if not self._pending:
+                    self.fail(ExecutorUnavailable(f"Step failed: unexpected result {result.step_id}"))
+                    return
+                step_id, fut = self._pending.popleft()
+                if result.step_id != step_id:
+                    err = ExecutorUnavailable(f"Step failed: result {result.step_id} for plan {step_id}")
+                    if not fut.done():
+                        fut.set_exception(err)
+                    self.fail(err)
+                    return
+                if not fut.done():
+                    fut.set_result(result)
+        except grpc.aio.AioRpcError as exc:
+            self.fail(_step_error(exc))
+        except asyncio.CancelledError:
+            self.fail(ExecutorUnavailable("Step failed: the step stream was closed"))
+
+    def fail(self, exc: Exception) -> None:
+        """Ends the stream: every plan still in flight gets `exc`."""
+        if not self.broken:
+            self.broken = True
+            self.call.cancel()
+            if self._reader is not asyncio.current_task():
+                self._reader.cancel()
+        while self._pending:
+            _, fut = self._pending.popleft()
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: a cancelled caller must not log "never retrieved"

@@ -28,6 +28,7 @@ def executor_stub():
                              "--listen", address], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.ExecutorStub(channel)
+    stub._address = address  # for the tests that open their own client
     try:
         stub.Describe(pb.DescribeRequest(), timeout=120, wait_for_ready=True)
         yield stub
@@ -92,3 +93,102 @@ def test_reset_drops_a_plan_waiting_for_a_predecessor(executor_stub):
     with pytest.raises(grpc.RpcError) as err:
         stub.Step(pb.Plan(step_id=101, seqs=[pb.ScheduledSeq(seq_id=3, num_tokens=1)]), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _plans(first_step: int) -> list[pb.Plan]:
+    """A prefill of two sequences, then three decode steps of both."""
+    plans = [pb.Plan(step_id=first_step, seqs=[_new_seq(1, [5, 6, 7, 8], [10]), _new_seq(2, [9, 3], [11])])]
+    for i in range(1, 4):
+        plans.append(pb.Plan(step_id=first_step + i, seqs=[pb.ScheduledSeq(seq_id=1, num_tokens=1),
+                                                           pb.ScheduledSeq(seq_id=2, num_tokens=1)]))
+    return plans
+
+
+def test_step_stream_answers_each_plan_in_order_as_step_would(executor_stub):
+    stub = executor_stub
+    stub.Reset(pb.ResetRequest(), timeout=10)
+    unary = [stub.Step(p, timeout=30) for p in _plans(1)]
+    stub.Reset(pb.ResetRequest(), timeout=10)
+    streamed = list(stub.StepStream(iter(_plans(1)), timeout=60))
+    assert [r.step_id for r in streamed] == [1, 2, 3, 4]
+    assert [(list(r.seq_ids), list(r.token_ids)) for r in streamed] == \
+        [(list(r.seq_ids), list(r.token_ids)) for r in unary]
+    assert all(r.forward_seconds > 0 for r in streamed)
+
+
+def test_step_stream_ends_invalid_argument_on_a_rejected_plan(executor_stub):
+    stub = executor_stub
+    stub.Reset(pb.ResetRequest(), timeout=10)
+    plans = _plans(1)[:1] + [pb.Plan(step_id=2, seqs=[pb.ScheduledSeq(seq_id=99, num_tokens=1)])]
+    got = []
+    with pytest.raises(grpc.RpcError) as err:
+        for r in stub.StepStream(iter(plans), timeout=60):
+            got.append(r.step_id)
+    assert got == [1]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "99" in err.value.details()
+
+
+def test_reset_ends_an_open_step_stream_before_its_next_plan(executor_stub):
+    import queue
+
+    stub = executor_stub
+    stub.Reset(pb.ResetRequest(), timeout=10)
+    plans: queue.Queue = queue.Queue()
+    plan_list = _plans(1)
+    plans.put(plan_list[0])
+    responses = stub.StepStream(iter(plans.get, None), timeout=60)
+    assert next(responses).step_id == 1
+    stub.Reset(pb.ResetRequest(), timeout=10)
+    plans.put(plan_list[1])  # seq 1 would still be known without the check: the reset must win
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            next(responses)
+        assert err.value.code() == grpc.StatusCode.ABORTED
+    finally:
+        plans.put(None)  # ends the request iterator
+
+
+@pytest.mark.parametrize("step_stream", [True, False])
+def test_router_client_pipelines_plans_and_recovers_from_a_rejected_one(executor_stub, step_stream):
+    """The router's ExecutorClient on both transports: two plans in flight
+    (pipelined decode) come back in order; a rejected plan fails with
+    ValueError, the plan in flight behind it fails too, and after the reset
+    the next plans run (on a new stream)."""
+    import asyncio
+
+    from router.config import ExecutorConfig
+    from router.executor_client import ExecutorClient, ExecutorUnavailable
+
+    address = executor_stub._address
+
+    async def scenario():
+        client = ExecutorClient(ExecutorConfig(address=address, step_stream=step_stream, step_timeout_s=30))
+        try:
+            await client.describe()
+            await client.reset()
+            plans = _plans(1)
+            tasks = [asyncio.ensure_future(client.step(p)) for p in plans]
+            results = [await t for t in tasks]
+            assert [r.step_id for r in results] == [1, 2, 3, 4]
+            first_stream = client._stream
+            assert (first_stream is not None) == step_stream
+            bad = asyncio.ensure_future(client.step(pb.Plan(step_id=5, seqs=[pb.ScheduledSeq(seq_id=99,
+                                                                                             num_tokens=1)])))
+            behind = asyncio.ensure_future(client.step(pb.Plan(step_id=6, seqs=[pb.ScheduledSeq(seq_id=1,
+                                                                                                num_tokens=1)])))
+            with pytest.raises(ValueError, match="99"):
+                await bad
+            # On the stream the plan behind a rejected one fails with it; a unary
+            # call may run it (on state the router must reset anyway).
+            outcome = (await asyncio.gather(behind, return_exceptions=True))[0]
+            if step_stream:
+                assert isinstance(outcome, (ValueError, ExecutorUnavailable))
+            await client.reset()
+            again = await client.step(_plans(100)[0])
+            assert list(again.seq_ids) == [1, 2]
+            if step_stream:
+                assert client._stream is not None and client._stream is not first_stream
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())

@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=cbserve_dot_v1_dot_executor__pb2.Plan.SerializeToString,
                 response_deserializer=cbserve_dot_v1_dot_executor__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/cbserve.v1.Executor/StepStream',
+                request_serializer=cbserve_dot_v1_dot_executor__pb2.Plan.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_executor__pb2.StepResult.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/cbserve.v1.Executor/Reset',
                 request_serializer=cbserve_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
@@ -68,6 +73,18 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same, as one long-lived stream: the router writes plans, the executor
+        answers each with its StepResult in order. Saves the per-call set-up of a
+        unary call on every iteration (measured here: a round trip of 190 us and
+        120 + 120 us of CPU on the two sides, against 480 us and 250 + 290 us).
+        A rejected plan ends the stream with INVALID_ARGUMENT, as Step would
+        answer it; a Reset ends it with ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reset(self, request, context):
         """Drops every sequence (the router lost its state, e.g. after a restart).
         """
@@ -85,6 +102,11 @@ def add_ExecutorServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=cbserve_dot_v1_dot_executor__pb2.Plan.FromString,
+                    response_serializer=cbserve_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=cbserve_dot_v1_dot_executor__pb2.Plan.FromString,
                     response_serializer=cbserve_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
             ),
@@ -146,6 +168,33 @@ class Executor:
             request,
             target,
             '/cbserve.v1.Executor/Step',
+            cbserve_dot_v1_dot_executor__pb2.Plan.SerializeToString,
+            cbserve_dot_v1_dot_executor__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cbserve.v1.Executor/StepStream',
             cbserve_dot_v1_dot_executor__pb2.Plan.SerializeToString,
             cbserve_dot_v1_dot_executor__pb2.StepResult.FromString,
             options,
