@@ -53,6 +53,11 @@ def amx_ops():
     return fused.amx_pack_weight, fused.amx_linear
 
 
+def _amx_argmax_op():
+    fused = _fused()
+    return fused.amx_linear_argmax if fused is not None and fused.amx_linear_supported() else None
+
+
 class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, batch_hint: int = 64) -> None:
         super().__init__()
@@ -66,9 +71,11 @@ class PackedLinear(torch.nn.Module):
         amx = amx_ops() if plain_bf16 else None
         self._skinny = None
         self._amx = None
+        self._amx_argmax = None
         if amx is not None:
             pack, self._amx = amx
             self.packed = pack(w)
+            self._amx_argmax = _amx_argmax_op()
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
             self._skinny = _skinny_op() if plain_bf16 else None
@@ -100,6 +107,15 @@ class PackedLinear(torch.nn.Module):
         else:
             out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return out if flat else out.reshape(*x.shape[:-1], self.out_features)
+
+
+    def greedy_argmax(self, x: torch.Tensor) -> list[int] | None:
+        """argmax(forward(x), -1) without writing the [rows, out_features]
+        output (the greedy LM head: 64 x 49152 logits are 6.3 MB), where the
+        amx kernel runs these rows; None elsewhere."""
+        if self._amx_argmax is None or x.dim() != 2 or x.shape[0] > AMX_MAX_ROWS:
+            return None
+        return self._amx_argmax(x.contiguous(), self.packed, self.out_features, self.bias).tolist()
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:

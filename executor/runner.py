@@ -17,7 +17,7 @@ from cbserve.v1 import executor_pb2 as pb
 from executor import attention
 from executor.batch_state import BatchState, SeqState
 from executor.kv_cache import CacheShape, KVCache
-from executor.sampler import SamplingParams, sample
+from executor.sampler import SamplingParams, greedy_only, sample
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -184,10 +184,15 @@ class ModelRunner:
         seq_ids: list[int] = []
         if sample_rows:
             rows = hidden.index_select(0, torch.tensor(sample_rows, device=dev))
-            logits = self.model.lm_head(rows)
             params = [st.sampling for _, st in sample_states]
-            hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
-            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states])
+            greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
+            picked = greedy_head(rows) if greedy_head is not None and greedy_only(params) else None
+            if picked is not None:  # the LM head's argmax straight from its accumulators
+                tokens = picked
+            else:
+                logits = self.model.lm_head(rows)
+                hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
+                tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states])
             for (seq_id, st), tok in zip(sample_states, tokens):
                 st.token_ids.append(tok)
                 st.num_output += 1

@@ -97,6 +97,12 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.max(dim=-1).indices.tolist()
 
 
+def greedy_only(params: list[SamplingParams]) -> bool:
+    """Whether every row takes its argmax and nobody asked for logprobs: then
+    the logits are needed only for their argmax."""
+    return all(p.greedy and not p.needs_history and not p.logprobs for p in params)
+
+
 def sample(
     logits: torch.Tensor,  # [N, V], any float dtype
     params: list[SamplingParams],
@@ -106,7 +112,7 @@ def sample(
     """Next token for each row, and the raw model log-probability of each
     chosen token when any row asked for logprobs."""
     want_logprobs = any(p.logprobs for p in params)
-    if not want_logprobs and all(p.greedy and not p.needs_history for p in params):
+    if greedy_only(params):
         # Greedy fast path in the model's dtype: upcasting bf16 is exact, so
         # the maximum and its first index are the same without the fp32 copy.
         return greedy_tokens(logits), None

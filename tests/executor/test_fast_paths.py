@@ -189,3 +189,22 @@ def test_lean_forward_runs_in_bf16_and_matches_the_transformers_forward():
     _assert_greedy_agrees(_greedy(lean, prompts, 12), _greedy(hf, prompts, 12))
     f32 = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.float32), 16, 64)
     assert f32.lean is None  # fp32 keeps the transformers forward (the parity tests' reference)
+
+
+@needs_bf16
+def test_greedy_lm_head_argmax_gives_the_tokens_of_logits_then_argmax(monkeypatch):
+    """The runner takes the LM head's argmax straight from its accumulators
+    when every row is greedy (amx CPUs); the tokens are those of the logits."""
+    fused_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
+    head = fused_rt.model.lm_head
+    if not isinstance(head, PackedLinear) or head.kernel != "amx":
+        pytest.skip("the fused greedy head runs on AMX CPUs")
+    calls = []
+    real = PackedLinear.greedy_argmax
+    monkeypatch.setattr(PackedLinear, "greedy_argmax", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    prompts = [[5, 6, 7, 8, 9], [11, 3], [42] * 20]
+    fused_tokens = _greedy(fused_rt, prompts, 8)
+    assert calls and calls[0] == 3
+    monkeypatch.setattr(PackedLinear, "greedy_argmax", lambda self, x: None)
+    plain_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
+    assert fused_tokens == _greedy(plain_rt, prompts, 8)

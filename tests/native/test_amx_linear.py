@@ -181,3 +181,69 @@ def test_fused_mlp_without_amx_or_with_an_odd_width_keeps_the_two_step_path(monk
         torch.testing.assert_close(mlp(x).float(), stock(x).float(), rtol=2 ** -6, atol=2e-2)
         torch.testing.assert_close(odd(x).float(), odd.down(torch.nn.functional.silu(
             odd.gate_up(x)[:, :40]) * odd.gate_up(x)[:, 40:]).float(), rtol=2 ** -6, atol=2e-2)
+
+
+# ---- amx_linear_argmax: the greedy LM head without the logits ----------------
+
+@pytest.mark.parametrize("m", [1, 5, 17, 33, 70])
+@pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (50, 40), (17, 64), (1, 33)])
+def test_argmax_is_the_argmax_of_amx_linear(m, n, k):
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    packed = fused.amx_pack_weight(w)
+    for bias in (None, torch.randn(n, generator=g).bfloat16()):
+        got = fused.amx_linear_argmax(x, packed, n, bias)
+        assert got.dtype == torch.int64 and got.shape == (m,)
+        # bf16-rounded outputs, first index of the maximum: the stored logits' argmax exactly
+        assert torch.equal(got, fused.amx_linear(x, packed, n, bias).max(-1).indices)
+
+
+def test_argmax_ties_take_the_first_column_even_across_threads():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 64, generator=g).bfloat16()
+    w = torch.randn(4096, 64, generator=g).bfloat16() * 0.01
+    best = x.float() @ torch.ones(64)  # a column that wins every row...
+    w[3000] = torch.ones(64).bfloat16()
+    w[5] = w[3000]  # ...and its copy far earlier (the other thread's half), and one later
+    w[4000] = w[3000]
+    got = fused.amx_linear_argmax(x, fused.amx_pack_weight(w), 4096, None)
+    positive = best > 1
+    assert positive.any()
+    assert (got[positive] == 5).all()
+    assert torch.equal(got, fused.amx_linear(x, fused.amx_pack_weight(w), 4096, None).max(-1).indices)
+
+
+def test_argmax_nan_wins_at_its_first_column_and_all_minus_inf_gives_zero():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 32, generator=g).bfloat16()
+    w = torch.randn(2000, 32, generator=g).bfloat16()
+    packed = fused.amx_pack_weight(w)
+    bias = torch.zeros(2000).bfloat16()
+    bias[1500] = float("nan")
+    bias[700] = float("nan")
+    assert fused.amx_linear_argmax(x, packed, 2000, bias).tolist() == [700, 700, 700]
+    assert torch.equal(fused.amx_linear(x, packed, 2000, bias).max(-1).indices, torch.tensor([700] * 3))
+    ninf = torch.full((2000,), float("-inf")).bfloat16()
+    assert fused.amx_linear_argmax(x, packed, 2000, ninf).tolist() == [0, 0, 0]
+
+
+def test_argmax_rejects_bad_arguments_and_takes_zero_rows():
+    w = torch.randn(40, 32).bfloat16()
+    packed = fused.amx_pack_weight(w)
+    assert fused.amx_linear_argmax(torch.empty(0, 32).bfloat16(), packed, 40).shape == (0,)
+    with pytest.raises(RuntimeError, match="packed must come from amx_pack_weight"):
+        fused.amx_linear_argmax(torch.randn(2, 64).bfloat16(), packed, 40)
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        fused.amx_linear_argmax(torch.randn(2, 32), packed, 40)
+
+
+def test_packed_linear_greedy_argmax_matches_forward_and_steps_aside_above_the_row_limit():
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(96, 300, bias=False).bfloat16()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(300, 96, generator=g))
+    pl = PackedLinear(lin)
+    x = torch.randn(9, 96, generator=g).bfloat16()
+    assert pl.greedy_argmax(x) == pl(x).max(-1).indices.tolist()
+    assert pl.greedy_argmax(torch.randn(AMX_MAX_ROWS + 1, 96).bfloat16()) is None

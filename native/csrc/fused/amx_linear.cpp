@@ -30,7 +30,9 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "bf16_vec.h"
 #include "cpu_isa.h"
@@ -94,10 +96,43 @@ struct PassOut {
   bool two = false, two_m = false;
 };
 
+// One thread's running greedy choice per row of x (amx_linear_argmax): the
+// largest bf16-rounded output so far and its column (the first one on ties:
+// a thread sees its columns in increasing order), and the first NaN column.
+struct ArgmaxRows {
+  float* val;
+  int64_t* idx;
+  int64_t* nan_idx;
+};
+
+// Folds 16 outputs of one row (columns [n0, n0 + 16), fp32 accumulators plus
+// bias, rounded to bf16 as the logits would be stored) into `am`.
+CB_AMX void argmax_update(const float* acc_row, const uint16_t* bias, int64_t N, int64_t n0, ArgmaxRows& am,
+                          int64_t r) {
+  if (n0 >= N) return;
+  const __mmask16 m = lanes(N - n0);
+  const __m512 b = bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), m)
+                                   : _mm512_setzero_ps();
+  const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(acc_row), b));
+  const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+  if (nan) {
+    am.nan_idx[r] = std::min<int64_t>(am.nan_idx[r], n0 + __builtin_ctz(nan));
+    return;
+  }
+  const __m512 vm = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), v);
+  const float mv = _mm512_reduce_max_ps(vm);
+  if (mv > am.val[r] || am.idx[r] < 0) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(vm, _mm512_set1_ps(mv), _CMP_EQ_OQ) & m;
+    am.val[r] = mv;
+    am.idx[r] = n0 + __builtin_ctz(eq);
+  }
+}
+
 // The epilogue of a pass: rows [m0, m0 + 32) x the pair's 32 features of y
-// (+ bias), or silu(gate) * up when silu_inter > 0.
+// (+ bias), or silu(gate) * up when silu_inter > 0, or (with `am`) only the
+// rows' running argmax.
 CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
-                        int64_t silu_inter) {
+                        int64_t silu_inter, ArgmaxRows* am) {
   constexpr int64_t kAcc = kTileM * kTileN;
   const int64_t n0 = out.nb * kTileN;
   for (int half = 0; half < (out.two_m ? 2 : 1); ++half) {
@@ -105,6 +140,13 @@ CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, i
     const int64_t rows = std::min<int64_t>(kTileM, M - r0);
     if (rows <= 0) continue;
     const float* a0 = out.acc + 2 * half * kAcc;
+    if (am != nullptr) {
+      for (int64_t r = 0; r < rows; ++r) {
+        argmax_update(a0 + r * kTileN, bias, N, n0, *am, r0 + r);
+        if (out.two) argmax_update(a0 + kAcc + r * kTileN, bias, N, n0 + kTileN, *am, r0 + r);
+      }
+      continue;
+    }
     if (silu_inter > 0) {
       store_silu_mul(a0, a0 + kAcc, y + r0 * silu_inter, rows, silu_inter, n0 / 2);
       continue;
@@ -125,7 +167,7 @@ CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, i
 // lines are plain L1 hits and the vector work overlaps the next pass's tiles.
 CB_AMX void block_pair(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                        int64_t M, int64_t Mpad, int64_t Kpad, int64_t N, int64_t nb, bool two,
-                       int64_t silu_inter, float* acc, int& slot, PassOut& pending) {
+                       int64_t silu_inter, float* acc, int& slot, PassOut& pending, ArgmaxRows* am) {
   constexpr int64_t kAcc = kTileM * kTileN;
   const int64_t kblocks = Kpad / kTileK;
   const uint16_t* w0 = wp + nb * kblocks * kTileElems;
@@ -153,7 +195,7 @@ CB_AMX void block_pair(const uint16_t* xp, const uint16_t* wp, const uint16_t* b
         if (two) _tile_dpbf16ps(3, 5, 7);
       }
     }
-    if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, silu_inter);
+    if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, silu_inter, am);
     float* a = acc + slot * 4 * kAcc;
     slot ^= 1;
     _tile_stored(0, a, 64);
@@ -167,14 +209,15 @@ CB_AMX void block_pair(const uint16_t* xp, const uint16_t* wp, const uint16_t* b
 // Pairs [p0, p1) of column blocks on this thread.
 CB_AMX void run_pairs(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
                       int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks, int64_t p0, int64_t p1,
-                      int64_t silu_inter) {
+                      int64_t silu_inter, ArgmaxRows* am) {
   alignas(64) float acc[2 * 4 * kTileM * kTileN];
   int slot = 0;
   PassOut pending;
   load_tile_config();
   for (int64_t p = p0; p < p1; ++p)
-    block_pair(xp, wp, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, silu_inter, acc, slot, pending);
-  if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, silu_inter);
+    block_pair(xp, wp, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, silu_inter, acc, slot, pending,
+               am);
+  if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, silu_inter, am);
   _tile_release();
 }
 #endif
@@ -224,9 +267,10 @@ int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int6
 }
 
 // y = x · wᵀ (+ bias), or silu(gate) * up when silu_inter > 0, over all pairs
-// of column blocks split between the threads.
+// of column blocks split between the threads; with `argmax_out` ([M]) y is
+// not written and each row's greedy column goes there instead.
 void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t nblocks, const uint16_t* bp,
-         torch::Tensor& y, int64_t silu_inter) {
+         torch::Tensor& y, int64_t silu_inter, int64_t* argmax_out = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return;
 #if CB_FUSED_X86
@@ -245,10 +289,34 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t
     }
   }
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+  auto* yp = argmax_out != nullptr ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+  if (argmax_out == nullptr) {
+    at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, p0, p1, silu_inter, nullptr);
+    });
+    return;
+  }
+  // One running argmax per thread and row, merged below: the larger value
+  // wins, the smaller column on ties, and the first NaN column over all.
+  const int64_t nthreads = at::get_num_threads();
+  std::vector<float> val(nthreads * M, -INFINITY);
+  std::vector<int64_t> idx(nthreads * M, -1), nan_idx(nthreads * M, INT64_MAX);
   at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, p0, p1, silu_inter);
+    const int64_t t = std::min<int64_t>(at::get_thread_num(), nthreads - 1);
+    ArgmaxRows am{val.data() + t * M, idx.data() + t * M, nan_idx.data() + t * M};
+    run_pairs(xp, wp, bp, nullptr, M, Mpad, Kpad, N, nblocks, p0, p1, silu_inter, &am);
   });
+  for (int64_t r = 0; r < M; ++r) {
+    float bv = -INFINITY;
+    int64_t bi = -1, ni = INT64_MAX;
+    for (int64_t t = 0; t < nthreads; ++t) {
+      const int64_t i = idx[t * M + r];
+      const float v = val[t * M + r];
+      ni = std::min(ni, nan_idx[t * M + r]);
+      if (i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi))) bv = v, bi = i;
+    }
+    argmax_out[r] = ni != INT64_MAX ? ni : std::max<int64_t>(bi, 0);
+  }
 #endif
 }
 
@@ -261,6 +329,16 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
   auto y = torch::empty({x.size(0), out_features}, x.options());
   run(x, packed, out_features, nblocks, bp, y, 0);
   return y;
+}
+
+torch::Tensor amx_linear_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                                const c10::optional<torch::Tensor>& bias) {
+  const int64_t nblocks = check_amx_args(x, packed, out_features);
+  const uint16_t* bp = bf16_bias(bias, out_features);
+  auto out = torch::zeros({x.size(0)}, x.options().dtype(at::kLong));
+  torch::Tensor unused;
+  run(x, packed, out_features, nblocks, bp, unused, 0, out.data_ptr<int64_t>());
+  return out;
 }
 
 torch::Tensor amx_pack_gate_up(const torch::Tensor& gate_up) {

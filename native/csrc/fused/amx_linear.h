@@ -17,6 +17,13 @@ torch::Tensor amx_pack_weight(const torch::Tensor& weight);
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                          const c10::optional<torch::Tensor>& bias);
 
+// The greedy token of each row: argmax over the out_features columns of
+// x · weightᵀ (+ bias) as amx_linear would return them (bf16-rounded), the
+// first column on ties and the first NaN column if any (as torch.max), without
+// writing the [M, out_features] logits. int64 [M].
+torch::Tensor amx_linear_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                                const c10::optional<torch::Tensor>& bias);
+
 // gate_up [2I, K] bf16 (gate rows, then up rows; I a multiple of 16) -> the
 // amx_pack_weight layout of the rows interleaved in blocks of 16 (gate block
 // j, then up block j), which amx_linear_silu_mul reads.

@@ -521,5 +521,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("inter"), py::call_guard<py::gil_scoped_release>(),
         "silu(x @ gate^T) * (x @ up^T) [M, inter] in bf16 on AMX tiles, weights packed by amx_pack_gate_up; "
         "AMX-BF16 CPUs only (see amx_linear_supported).");
+  m.def("amx_linear_argmax", &cbserve_fused::amx_linear_argmax, py::arg("x"), py::arg("packed"),
+        py::arg("out_features"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        "The first index of each row's maximum of amx_linear(x, packed, out_features, bias) (NaN counts as "
+        "the maximum, as torch.max), int64 [M], without writing the logits: the greedy LM head. "
+        "AMX-BF16 CPUs only (see amx_linear_supported).");
   m.def("amx_linear_supported", &cbserve_fused::amx_linear_supported);
 }
