@@ -156,13 +156,11 @@ class _StepStream:
                 if not self._pending:
                     self.fail(ExecutorUnavailable(f"Step failed: unexpected result {result.step_id}"))
                     return
-                step_id, fut = self._pending.popleft()
+                step_id, fut = self._pending[0]
                 if result.step_id != step_id:
-                    err = ExecutorUnavailable(f"Step failed: result {result.step_id} for plan {step_id}")
-                    if not fut.done():
-                        fut.set_exception(err)
-                    self.fail(err)
+                    self.fail(ExecutorUnavailable(f"Step failed: result {result.step_id} for plan {step_id}"))
                     return
+                self._pending.popleft()
                 if not fut.done():
                     fut.set_result(result)
         except grpc.aio.AioRpcError as exc:

@@ -167,8 +167,11 @@ def test_router_client_pipelines_plans_and_recovers_from_a_rejected_one(executor
             await client.describe()
             await client.reset()
             plans = _plans(1)
-            tasks = [asyncio.ensure_future(client.step(p)) for p in plans]
-            results = [await t for t in tasks]
+            # After a reset the first plan sets the order, so it goes alone;
+            # the decodes behind it are in flight together (the engine's pipelining).
+            results = [await client.step(plans[0])]
+            tasks = [asyncio.ensure_future(client.step(p)) for p in plans[1:]]
+            results += [await t for t in tasks]
             assert [r.step_id for r in results] == [1, 2, 3, 4]
             first_stream = client._stream
             assert (first_stream is not None) == step_stream
@@ -192,3 +195,24 @@ def test_router_client_pipelines_plans_and_recovers_from_a_rejected_one(executor
             await client.close()
 
     asyncio.run(scenario())
+
+
+def test_plans_queued_behind_a_rejected_one_on_the_stream_do_not_run(executor_stub):
+    """The executor reads plans ahead of the one running; after a rejected
+    plan the ones already read behind it are dropped, not run."""
+    stub = executor_stub
+    stub.Reset(pb.ResetRequest(), timeout=10)
+    plans = [_plans(1)[0], pb.Plan(step_id=2, seqs=[pb.ScheduledSeq(seq_id=99, num_tokens=1)]),
+             pb.Plan(step_id=3, seqs=[_new_seq(3, [4, 4, 4], [20])])]
+    got = []
+    with pytest.raises(grpc.RpcError) as err:
+        for r in stub.StepStream(iter(plans), timeout=60):
+            got.append(r.step_id)
+    assert got == [1] and err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Sequence 3 was never introduced: plan 3 did not run.
+    with pytest.raises(grpc.RpcError) as unknown:
+        stub.Step(pb.Plan(step_id=4, seqs=[pb.ScheduledSeq(seq_id=3, num_tokens=1)]), timeout=30)
+    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "3" in unknown.value.details()
+    # Sequence 1 from plan 1 is still there.
+    assert list(stub.Step(pb.Plan(step_id=5, seqs=[pb.ScheduledSeq(seq_id=1, num_tokens=1)]),
+                          timeout=30).seq_ids) == [1]
