@@ -70,8 +70,7 @@ CB_AMX void store_block(const float* acc, const uint16_t* bias, uint16_t* y, int
                         int64_t n0) {
   if (n0 >= N) return;
   const __mmask16 nmask = lanes(N - n0);
-  const __m512 b = bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), nmask)
-                                   : _mm512_setzero_ps();
+  const __m512 b = bias_lanes(bias, n0, nmask);
   for (int64_t r = 0; r < rows; ++r)
     store_bf16(reinterpret_cast<c10::BFloat16*>(y + r * N + n0), _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileN), b),
                nmask);
@@ -106,26 +105,29 @@ struct ArgmaxRows {
   int64_t* nan_idx;
 };
 
-// Folds 16 outputs of one row (columns [n0, n0 + 16), fp32 accumulators plus
-// bias, rounded to bf16 as the logits would be stored) into `am`.
-CB_AMX void argmax_update(const float* acc_row, const uint16_t* bias, int64_t N, int64_t n0, ArgmaxRows& am,
-                          int64_t r) {
+// Folds rows [r0, r0 + rows) x features [n0, n0 + 16) of one fp32
+// accumulator tile (plus bias, rounded to bf16 as the logits would be stored)
+// into `am`: store_block's argmax twin.
+CB_AMX void argmax_block(const float* acc, const uint16_t* bias, int64_t rows, int64_t N, int64_t n0,
+                         ArgmaxRows& am, int64_t r0) {
   if (n0 >= N) return;
   const __mmask16 m = lanes(N - n0);
-  const __m512 b = bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), m)
-                                   : _mm512_setzero_ps();
-  const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(acc_row), b));
-  const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-  if (nan) {
-    am.nan_idx[r] = std::min<int64_t>(am.nan_idx[r], n0 + __builtin_ctz(nan));
-    return;
-  }
-  const __m512 vm = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), v);
-  const float mv = _mm512_reduce_max_ps(vm);
-  if (mv > am.val[r] || am.idx[r] < 0) {
-    const __mmask16 eq = _mm512_cmp_ps_mask(vm, _mm512_set1_ps(mv), _CMP_EQ_OQ) & m;
-    am.val[r] = mv;
-    am.idx[r] = n0 + __builtin_ctz(eq);
+  const __m512 b = bias_lanes(bias, n0, m);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t r = r0 + i;
+    const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(acc + i * kTileN), b));
+    const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    if (nan) {
+      am.nan_idx[r] = std::min<int64_t>(am.nan_idx[r], n0 + __builtin_ctz(nan));
+      continue;
+    }
+    const __m512 vm = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), v);
+    const float mv = _mm512_reduce_max_ps(vm);
+    if (mv > am.val[r] || am.idx[r] < 0) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(vm, _mm512_set1_ps(mv), _CMP_EQ_OQ) & m;
+      am.val[r] = mv;
+      am.idx[r] = n0 + __builtin_ctz(eq);
+    }
   }
 }
 
@@ -141,11 +143,9 @@ CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, i
     const int64_t rows = std::min<int64_t>(kTileM, M - r0);
     if (rows <= 0) continue;
     const float* a0 = out.acc + 2 * half * kAcc;
-    if (am != nullptr) {
-      for (int64_t r = 0; r < rows; ++r) {
-        argmax_update(a0 + r * kTileN, bias, N, n0, *am, r0 + r);
-        if (out.two) argmax_update(a0 + kAcc + r * kTileN, bias, N, n0 + kTileN, *am, r0 + r);
-      }
+    if (am != nullptr) {  // block nb before nb + 1: each row sees its columns in increasing order
+      argmax_block(a0, bias, rows, N, n0, *am, r0);
+      if (out.two) argmax_block(a0 + kAcc, bias, rows, N, n0 + kTileN, *am, r0);
       continue;
     }
     if (silu_inter > 0) {
@@ -306,23 +306,22 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t
   const int64_t npairs = (nblocks + 1) / 2;
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, npairs / (4 * nthreads)));
   std::atomic<int64_t> next{0};
-  if (argmax_out == nullptr) {
-    at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, next, chunk, silu_inter, nullptr);
-    });
-    return;
-  }
-  // One running argmax per thread and row, merged below: the larger value
-  // wins, the smaller column on ties, and the first NaN column over all.
-  std::vector<float> val(nthreads * M, -INFINITY);
-  std::vector<int64_t> idx(nthreads * M, -1), nan_idx(nthreads * M, INT64_MAX);
+  // With argmax_out: one running argmax per thread and row, merged below (the
+  // larger value wins, the smaller column on ties, the first NaN column over all).
+  const int64_t am_len = argmax_out != nullptr ? nthreads * M : 0;
+  std::vector<float> val(am_len, -INFINITY);
+  std::vector<int64_t> idx(am_len, -1), nan_idx(am_len, INT64_MAX);
   at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t t = std::min<int64_t>(at::get_thread_num(), nthreads - 1);
-    ArgmaxRows am{val.data() + t * M, idx.data() + t * M, nan_idx.data() + t * M};
+    ArgmaxRows am{}, *amp = nullptr;
+    if (argmax_out != nullptr) {
+      const int64_t t = std::min<int64_t>(at::get_thread_num(), nthreads - 1);
+      am = ArgmaxRows{val.data() + t * M, idx.data() + t * M, nan_idx.data() + t * M};
+      amp = &am;
+    }
     for (int64_t w = t0; w < t1; ++w)
-      run_pairs(xp, wp, bp, nullptr, M, Mpad, Kpad, N, nblocks, next, chunk, silu_inter, &am);
+      run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, next, chunk, silu_inter, amp);
   });
+  if (argmax_out == nullptr) return;
   for (int64_t r = 0; r < M; ++r) {
     float bv = -INFINITY;
     int64_t bi = -1, ni = INT64_MAX;

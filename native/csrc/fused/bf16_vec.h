@@ -38,6 +38,13 @@ CB_AVX512BF16 inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, b);
 }
 
+// A linear layer's bf16 bias (raw bits, may be null) for output features
+// [n0, n0 + 16) in fp32 lanes: zero without a bias and past the `m` lanes.
+CB_AVX512BF16 inline __m512 bias_lanes(const uint16_t* bias, int64_t n0, __mmask16 m) {
+  return bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), m)
+                         : _mm512_setzero_ps();
+}
+
 CB_AVX512BF16 inline __m512 exp_ps(__m512 x) {
   // exp(x) = 2^(x*log2e): integer part via scalef, fraction by a degree-6 polynomial.
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));

@@ -45,8 +45,7 @@ CB_AVX512BF16 void block16(const uint16_t* x, const uint16_t* w, const uint16_t*
   const int64_t kfull = K / 32 * 32;
   const __mmask32 ktail = static_cast<__mmask32>((uint64_t(1) << (K - kfull)) - 1);
   const __mmask16 nmask = lanes(N - n0);
-  const __m512 b = bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), nmask)
-                                   : _mm512_setzero_ps();
+  const __m512 b = bias_lanes(bias, n0, nmask);
   // The next block's rows (contiguous after this block's) are prefetched into
   // L2 while this one computes: 16 interleaved short row streams are more
   // than the hardware prefetcher follows well.
