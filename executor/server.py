@@ -148,8 +148,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                         if self._epoch != epoch:
                             queued.put((request, None))
                             return
-                        self._next_step = request.step_id + 1
-                        self._order.notify_all()
+                        self._advance(request)
                     queued.put((request, self.worker.submit(self._stream_step, request, epoch, failed)))
             except Exception:  # noqa: BLE001 - the call ended (cancelled, aborted, closed)
                 pass
@@ -186,10 +185,14 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.metrics.rejected_plans.inc()
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    def _run(self, request: pb.Plan, context) -> pb.StepResult:
-        """Runs one plan on the main thread; holds `_order`."""
+    def _advance(self, request: pb.Plan) -> None:
+        """`request` is the plan now running: the next in turn is its successor (holds `_order`)."""
         self._next_step = request.step_id + 1
         self._order.notify_all()
+
+    def _run(self, request: pb.Plan, context) -> pb.StepResult:
+        """Runs one plan on the main thread; holds `_order`."""
+        self._advance(request)
         try:
             out = self.worker.call(self.runner.step, request)
         except (PlanError, KeyError, IndexError, ValueError) as exc:
