@@ -8,6 +8,7 @@ switch the scheduler section with SIGHUP, which is itself under test.
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import threading
@@ -269,40 +270,72 @@ def test_priority_request_overtakes_running_low_priority_ones(big):
     wait_idle(big)
 
 
+def _finish_order(server, ids: set[str]) -> list[dict]:
+    """The router's "request finished" records of these ids, in log order."""
+    order = []
+    for line in server.log().splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if obj.get("event") == "request finished" and obj.get("request_id") in ids:
+            order.append(obj)
+    return order
+
+
 def test_sjf_runs_the_short_job_before_the_long_one(big):
     reconfigure(big, {"policy": "sjf", "max_num_seqs": 1, "sjf_max_wait_s": 1000.0})
-    out, threads = start_streams(big, {"occupier": gen_request([20] * 16, max_new=600)})
+    tag = f"sjf-{time.monotonic_ns()}"
+    ids = {k: f"{tag}-{k}" for k in ("occupier", "long", "short")}
+    out, threads = start_streams(big, {"occupier": gen_request([20] * 16, max_new=600, request_id=ids["occupier"])})
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1 and m["cbserve_generation_tokens_total"] > 0)
-    _, t2 = start_streams(big, {"long": gen_request([30] * 16, max_new=200, expected_output_tokens=200)}, out)
+    _, t2 = start_streams(big, {"long": gen_request([30] * 16, max_new=200, expected_output_tokens=200,
+                                                    request_id=ids["long"])}, out)
     wait_metric(big, lambda m: m["cbserve_num_requests_waiting"] == 1)
-    _, t3 = start_streams(big, {"short": gen_request([40] * 16, max_new=10, expected_output_tokens=10)}, out)
+    _, t3 = start_streams(big, {"short": gen_request([40] * 16, max_new=10, expected_output_tokens=10,
+                                                     request_id=ids["short"])}, out)
     wait_metric(big, lambda m: m["cbserve_num_requests_waiting"] == 2)
     assert "occupier" not in out, "both jobs must queue while the seat is taken"
     for t in threads + t2 + t3:
         t.join(120)
     assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
-    assert out["occupier"]["end"] <= out["short"]["first"]
-    assert out["short"]["end"] < out["long"]["first"]
+    # The router's own order: with one seat and no preemption each job runs
+    # alone, so finishing order is running order. (Client-side clocks of two
+    # streams in two threads can disagree by more than the one step between
+    # one job's last token and the next job's first.)
+    done = _finish_order(big, set(ids.values()))
+    assert [d["request_id"] for d in done] == [ids["occupier"], ids["short"], ids["long"]]
+    assert all(d["preemptions"] == 0 for d in done), done
     wait_idle(big)
 
 
 @pytest.mark.parametrize("policy", ["static", "fcfs"])
 def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
     reconfigure(big, {"policy": policy, "static_batch_size": 2})
+    tag = f"{policy}-{time.monotonic_ns()}"
     # A first request runs alone so that the two batch requests queue together
     # (static admits whatever waits when nothing runs) and start as one batch.
     out, t0 = start_streams(big, {"warmup": gen_request([45] * 16, max_new=150)})
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1)
-    batch = {f"b{i}": gen_request([50 + i] * 16, max_new=300) for i in range(2)}
+    batch = {f"b{i}": gen_request([50 + i] * 16, max_new=300, request_id=f"{tag}-b{i}") for i in range(2)}
     _, threads = start_streams(big, batch, out)
     wait_metric(big, lambda m: "warmup" in out and m["cbserve_num_requests_running"] == 2)
-    _, t2 = start_streams(big, {"late": gen_request([60] * 16, max_new=20)}, out)
+    _, t2 = start_streams(big, {"late": gen_request([60] * 16, max_new=20, request_id=f"{tag}-late")}, out)
     for t in t0 + threads + t2:
         t.join(120)
     assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
-    batch_end = max(out[k]["end"] for k in batch)
+    # Server-side records (see test_sjf_...): finishing order, and how long the
+    # newcomer queued against how long it then ran.
+    done = {d["request_id"].rsplit("-", 1)[1]: d
+            for d in _finish_order(big, {f"{tag}-b0", f"{tag}-b1", f"{tag}-late"})}
+    order = list(done)  # log order
+    late = done["late"]
+    ran_s = late["e2e_s"] - late["queue_s"]
     if policy == "static":
-        assert out["late"]["first"] >= batch_end, "static: the newcomer waits for the whole batch"
+        # ~290 batch-of-2 steps left when it arrives against its own 20 steps.
+        assert order[-1] == "late", f"static: the newcomer waits for the whole batch: {order}"
+        assert late["queue_s"] > ran_s, late
     else:
-        assert out["late"]["end"] < min(out[k]["end"] for k in batch), "fcfs: the newcomer joins at once"
+        assert order[0] == "late", f"fcfs: the newcomer joins at once: {order}"
+        assert late["queue_s"] < ran_s, late
     wait_idle(big)
