@@ -33,6 +33,11 @@ class ServerConfig:
     max_metadata_bytes: int = 16 * 1024
     # On SIGTERM: in-flight requests get this long to finish, then are cancelled.
     drain_timeout_s: float = 30.0
+    # Generate streams send a message once this many tokens are pending (the
+    # first token and the final message go out at once). 1 = every token; a
+    # larger value trades smoothness for less per-message CPU in the router
+    # and the clients (vLLM's --stream-interval).
+    stream_interval: int = 1
     # TLS on the public port: server certificate and key (PEM). Empty = plaintext.
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -239,6 +244,7 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     if lim.default_max_new_tokens > lim.max_new_tokens:
         raise ConfigError("limits.default_max_new_tokens must be <= limits.max_new_tokens")
     srv = cfg.server
+    _positive(srv.stream_interval, "server.stream_interval")
     for name in ("port", "metrics_port"):
         port = getattr(srv, name)
         if not 0 <= port <= 65535:

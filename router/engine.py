@@ -36,6 +36,11 @@ class Delta:
     # A gRPC status that ends the stream with an error instead of a finish.
     error: tuple[grpc.StatusCode, str] | None = None
 
+    def merge(self, later: "Delta") -> "Delta":
+        """self followed by later (later's finish and error win)."""
+        return Delta(token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
+                     logprobs=self.logprobs + later.logprobs, finish=later.finish, error=later.error)
+
 
 class RequestHandle:
     """What a gRPC handler holds: the request and its stream of deltas."""
@@ -48,6 +53,25 @@ class RequestHandle:
         self.last_token_time: float | None = None
         self.span = None  # OpenTelemetry span when tracing is on
         self.seen_preemptions = 0
+        self.held: Delta | None = None  # output not yet sent (server.stream_interval)
+
+    def hold_or_send(self, delta: Delta, interval: int, first: bool) -> None:
+        """Queues delta for the handler, or keeps it until `interval` tokens
+        are pending; the first token goes out at once."""
+        if self.held is not None:
+            delta = self.held.merge(delta)
+            self.held = None
+        if first or len(delta.token_ids) >= interval:
+            self.queue.put_nowait(delta)
+        else:
+            self.held = delta
+
+    def take_held(self, delta: Delta) -> Delta:
+        """delta with any held output in front of it."""
+        if self.held is None:
+            return delta
+        held, self.held = self.held, None
+        return held.merge(delta)
 
     async def next(self) -> Delta:
         return await self.queue.get()
@@ -297,6 +321,7 @@ class Engine:
 
     def _emit(self, events, out: SchedulerOutput) -> None:
         sched = self.scheduler
+        interval = self.cfg.server.stream_interval
         now = time.monotonic()
         for ev in events:
             req = ev.req
@@ -327,7 +352,7 @@ class Engine:
             if req.finish is not None:
                 self._finish_handle(req, delta)
             else:
-                handle.queue.put_nowait(delta)
+                handle.hold_or_send(delta, interval, first=n_out == len(ev.token_ids))
 
     def _finish_handle(self, req: Request, delta: Delta) -> None:
         handle = self.handles.pop(req.request_id, None)
@@ -335,6 +360,7 @@ class Engine:
             return
         handle.done = True
         if delta.error is None and delta.finish is not None:
+            delta = handle.take_held(delta)
             delta.text += handle.detok.take(final=True)
         handle.queue.put_nowait(delta)
         now = time.monotonic()
