@@ -61,7 +61,8 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams the completion as it is generated: one message per step that
-        produced visible output, the last one carrying finish_reason and usage.
+        produced visible output (or per server.stream_interval tokens, the first
+        token always on its own), the last one carrying finish_reason and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
