@@ -4,6 +4,7 @@ SIGTERM drain and SIGHUP reload of the scheduler section."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from typing import Awaitable, Callable
 
@@ -52,7 +53,14 @@ async def run_router(
     loop.add_signal_handler(signal.SIGINT, stop.set)
     if config_path:
         loop.add_signal_handler(signal.SIGHUP, _reload)
+    # The tokenizer, config, server and imported libraries live as long as
+    # the process: out of the cyclic GC's reach, as in the executor (a full
+    # collection of the ~350k objects took ~130 ms with SmolLM2's tokenizer,
+    # the event loop and every stream stalled meanwhile).
+    gc.collect()
+    gc.freeze()
     _LOGGER.info("router listening", address=f"{cfg.server.host}:{server.port}",
+                 frozen_objects=gc.get_freeze_count(),
                  metrics=f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics",
                  executor=cfg.executor.address, policy=cfg.scheduler.policy)
     if on_started is not None:

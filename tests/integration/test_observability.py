@@ -101,6 +101,17 @@ def _finished_lines(server) -> dict[str, list[dict]]:
     return by_id
 
 
+def test_startup_heap_is_frozen(load):
+    """Both processes move what they built at start-up out of the cyclic GC,
+    so that a full collection never walks the model's (or the tokenizer's)
+    objects in the middle of serving."""
+    server, _ = load
+    ready = {obj["event"]: obj for obj in _json_lines(server.log())
+             if obj.get("event") in ("router listening", "executor ready")}
+    assert ready["executor ready"]["frozen_objects"] > 50_000, ready
+    assert ready["router listening"]["frozen_objects"] > 10_000, ready
+
+
 # -- metrics --------------------------------------------------------------------------
 def test_load_ran_as_scripted(load):
     server, seen = load
