@@ -40,9 +40,10 @@ def test_tokens_arrive_in_groups_with_the_same_output(grouped, tiny_server):
     assert all(len(m.logprobs) == len(m.token_ids) for m in msgs)
     ref = _stream(tiny_server, req)
     assert len(ref) == 11  # every token on its own
-    for field in ("token_ids", "logprobs"):
-        assert [x for m in msgs for x in getattr(m, field)] == pytest.approx(
-            [x for m in ref for x in getattr(m, field)])
+    assert [t for m in msgs for t in m.token_ids] == [t for m in ref for t in m.token_ids]
+    # Two processes, same weights and batch shapes; only the packing of messages differs.
+    assert [x for m in msgs for x in m.logprobs] == pytest.approx([x for m in ref for x in m.logprobs],
+                                                                  rel=1e-4, abs=1e-4)
     assert "".join(m.text for m in msgs) == "".join(m.text for m in ref)
     assert msgs[-1].finish_reason == gpb.LENGTH and msgs[-1].usage == ref[-1].usage
 
