@@ -58,9 +58,7 @@ class RequestHandle:
     def hold_or_send(self, delta: Delta, interval: int, first: bool) -> None:
         """Queues delta for the handler, or keeps it until `interval` tokens
         are pending; the first token goes out at once."""
-        if self.held is not None:
-            delta = self.held.merge(delta)
-            self.held = None
+        delta = self.take_held(delta)
         if first or len(delta.token_ids) >= interval:
             self.queue.put_nowait(delta)
         else:
