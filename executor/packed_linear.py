@@ -53,11 +53,6 @@ def amx_ops():
     return fused.amx_pack_weight, fused.amx_linear
 
 
-def _amx_argmax_op():
-    fused = _fused()
-    return fused.amx_linear_argmax if fused is not None and fused.amx_linear_supported() else None
-
-
 class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, batch_hint: int = 64) -> None:
         super().__init__()
@@ -75,7 +70,7 @@ class PackedLinear(torch.nn.Module):
         if amx is not None:
             pack, self._amx = amx
             self.packed = pack(w)
-            self._amx_argmax = _amx_argmax_op()
+            self._amx_argmax = _fused().amx_linear_argmax  # amx_ops() checked the CPU
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
             self._skinny = _skinny_op() if plain_bf16 else None
