@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
 
 from setuptools import setup
 
@@ -49,9 +50,14 @@ def _ext_modules():
     # target attributes and chosen at run time (see native/csrc/ops.cpp).
     if _want_cuda():
         cu = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
-        archs = os.environ.get("CBSERVE_CUDA_ARCHS", "80;90").split(";")
+        # CBSERVE_CUDA_ARCHS ("80;90" by default) unless only torch's own
+        # TORCH_CUDA_ARCH_LIST is set (deploy/docker/Dockerfile.cuda): explicit
+        # -gencode flags would make torch ignore it.
+        archs = os.environ.get("CBSERVE_CUDA_ARCHS")
+        if archs is None and os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            archs = ""
         gencode = []
-        for a in archs:
+        for a in filter(None, (archs if archs is not None else "80;90").split(";")):
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
         return [
             CUDAExtension(
@@ -72,7 +78,38 @@ def _fused(cxx_flags):
     return CppExtension("native._fused", src, extra_compile_args={"cxx": cxx_flags}, extra_link_args=LINK_FLAGS)
 
 
+def shares_libstdcxx(path: str) -> bool | None:
+    """Whether the built library loads the shared libstdc++ (None: no readelf)."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    out = subprocess.run([readelf, "-d", path], capture_output=True, text=True, check=True).stdout
+    return "libstdc++.so" in out
+
+
+class Build(BuildExtension):
+    """BuildExtension that refuses a library with its own copy of libstdc++.
+
+    torch loads the shared libstdc++; an extension linked against the static
+    one (a compiler wrapper that adds -static-libstdc++ does it: seen on a
+    CUDA image whose CXX was such a wrapper) builds and passes its numeric
+    tests, then crashes the process inside the first error message that
+    formats a number (std::ostream from one copy, locale facets from the other).
+    """
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        path = self.get_ext_fullpath(ext.name)
+        if shares_libstdcxx(path) is False:
+            os.remove(path)
+            raise SystemExit(
+                f"{ext.name}: the C++ compiler ({os.environ.get('CXX', 'c++')}) linked libstdc++ statically, "
+                "which crashes next to torch's shared copy; build with one that links it dynamically, "
+                "e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc"
+            )
+
+
 # BuildExtension compiles with ninja (parallel, incremental) when the `ninja`
 # package is installed, as `make install` does; it falls back to plain
 # setuptools otherwise.
-setup(ext_modules=_ext_modules(), cmdclass={"build_ext": BuildExtension})
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": Build})

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import shutil
+import subprocess
+
 import pytest
 import torch
 from tests.native.helpers import make_batch
@@ -140,3 +144,18 @@ def test_cuda_tensors_without_cuda_build():
         pytest.skip("extension built with CUDA")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device to make CUDA tensors")
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf not installed")
+@pytest.mark.parametrize("module", ["native._C", "native._fused"])
+def test_extensions_load_the_shared_libstdcxx(module):
+    # A copy of libstdc++ linked into an extension crashes the process in the
+    # first error message that formats a number (seen on the GPU machine with
+    # a compiler wrapper that linked it statically; setup.py now refuses it).
+    path = importlib.import_module(module).__file__
+    needed = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++.so" in needed
+    with pytest.raises(IndexError, match=r"block_tables\[0, 0\] = 1000000 is out of range"):
+        batch = good_attention()
+        batch["block_tables"][0, 0] = 10**6
+        native.paged_attention(**batch)
