@@ -160,15 +160,19 @@ class ModelRunner:
         tables = torch.tensor([st.block_table + [0] * (max_blocks - len(st.block_table)) for _, _, st in scheduled],
                               dtype=torch.int32)
         dev = self.device
-        meta = attention.AttnMetadata(
-            kv_cache=self.kv,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            reshape_and_cache=self.ops[0],
-            paged_attention=self.ops[1],
-        )
+        # On a GPU as normal tensors, not inference tensors: their version
+        # counters let the native ops validate them once per step, not once
+        # per layer (each check waits for the GPU; see native/csrc/ops.cpp).
+        with torch.inference_mode(dev.type == "cpu"):
+            meta = attention.AttnMetadata(
+                kv_cache=self.kv,
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                block_tables=tables.to(dev),
+                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                reshape_and_cache=self.ops[0],
+                paged_attention=self.ops[1],
+            )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         tf = time.perf_counter()

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -154,6 +155,37 @@ py::dict cpu_features() {
 }
 
 // ---------------------------------------------------------- validation ---
+// CUDA arguments are validated on host copies. A step hands the same metadata
+// tensors to every layer, so a host copy is reused while the device tensor is
+// the very same one (held here: no other tensor can take its storage) and its
+// version counter has not moved (any in-place write bumps it): one
+// device->host copy, i.e. one wait for the GPU, per tensor and step instead of
+// per layer. Inference tensors have no version counter and are copied every
+// call (the executor builds its metadata as normal tensors for this).
+enum HostCopySlot { kSlots, kCuSeqlens, kSeqLens, kBlockTables, kNumHostCopySlots };
+
+at::Tensor host_copy(HostCopySlot slot, const at::Tensor& t) {
+  if (t.is_cpu()) return t;
+  if (t.is_inference()) return t.cpu();
+  struct Memo {
+    at::Tensor src, host;
+    int64_t version = -1;
+  };
+  // Never destroyed: releasing CUDA tensors during interpreter exit races the
+  // CUDA runtime's own teardown.
+  static auto* memos = new Memo[kNumHostCopySlots];
+  static auto* mu = new std::mutex;
+  const std::lock_guard<std::mutex> lock(*mu);
+  Memo& m = memos[slot];
+  const int64_t version = t._version();
+  if (!(m.src.defined() && m.src.is_same(t) && m.version == version)) {
+    m.host = t.cpu();
+    m.src = t;
+    m.version = version;
+  }
+  return m.host;
+}
+
 int32_t dtype_code(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return kF32;
@@ -223,7 +255,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
   if (key.is_cuda()) {
 #ifdef CBSERVE_WITH_CUDA
-    const at::Tensor slots_cpu = slot_mapping.cpu();
+    const at::Tensor slots_cpu = host_copy(kSlots, slot_mapping);
     const int64_t* s = slots_cpu.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t)
       CB_INDEX(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range for a cache of ",
@@ -316,11 +348,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   }
   const int64_t max_blocks = block_tables.size(1);
 
-  // Index checks run on host copies (CUDA: one small device->host copy).
+  // Index checks run on host copies (CUDA: see host_copy).
   const bool cuda = query.is_cuda();
-  const at::Tensor cu_h = cuda ? cu_seqlens_q.cpu() : cu_seqlens_q;
-  const at::Tensor sl_h = cuda ? seq_lens.cpu() : seq_lens;
-  const at::Tensor bt_h = cuda ? block_tables.cpu() : block_tables;
+  const at::Tensor cu_h = host_copy(kCuSeqlens, cu_seqlens_q);
+  const at::Tensor sl_h = host_copy(kSeqLens, seq_lens);
+  const at::Tensor bt_h = host_copy(kBlockTables, block_tables);
   const int32_t* cu = cu_h.data_ptr<int32_t>();
   const int32_t* sl = sl_h.data_ptr<int32_t>();
   const int32_t* bt = bt_h.data_ptr<int32_t>();

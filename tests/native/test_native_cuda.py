@@ -101,3 +101,43 @@ def test_cuda_validation():
         native.paged_attention(out, scale=0.1, **batch)
     with pytest.raises(ValueError, match="same device"):
         native.paged_attention(out.cpu(), scale=0.1, **batch)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_checks_follow_in_place_changes_of_tensors_already_checked():
+    # The ops reuse the host copy of a metadata tensor they have checked while
+    # it is the same tensor at the same version (one GPU wait per step, not
+    # per layer): every in-place write must still be seen.
+    batch = make_batch([2, 1], [5, 9], hq=2, hkv=1, d=64, block_size=8, device="cuda")
+    out = torch.empty_like(batch["query"])
+    good = batch["block_tables"][0, 0].item()
+    for _ in range(2):
+        native.paged_attention(out, scale=0.1, **batch)
+    want = reference(batch, 0.1)
+    assert (out.cpu().float() - want).abs().max().item() <= tolerance(torch.float32)
+    batch["block_tables"][0, 0] = 10**6
+    with pytest.raises(IndexError, match=r"block_tables\[0, 0\] = 1000000 is out of range"):
+        native.paged_attention(out, scale=0.1, **batch)
+    batch["block_tables"][0, 0] = good
+    native.paged_attention(out, scale=0.1, **batch)
+    with torch.inference_mode():  # normal tensors written in inference mode still bump their version
+        batch["seq_lens"][1] = 10**4
+        with pytest.raises(IndexError, match="needs .* blocks"):
+            native.paged_attention(out, scale=0.1, **batch)
+        # Inference tensors have no version counter: checked afresh every call.
+        tables = batch["block_tables"].clone()
+        batch["seq_lens"][1] = 10
+        native.paged_attention(out, scale=0.1, **{**batch, "block_tables": tables})
+        tables[1, 0] = -1
+        with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = -1"):
+            native.paged_attention(out, scale=0.1, **{**batch, "block_tables": tables})
+
+    kc = torch.zeros(4, 8, 2, 16, device="cuda")
+    vc = torch.zeros_like(kc)
+    key = torch.randn(3, 2, 16, device="cuda")
+    slots = torch.tensor([0, 9, -1], device="cuda")
+    native.reshape_and_cache(key, key, kc, vc, slots)
+    slots[2] = 32
+    with pytest.raises(IndexError, match=r"slot_mapping\[2\] = 32 is out of range"):
+        native.reshape_and_cache(key, key, kc, vc, slots)
