@@ -16,13 +16,16 @@ from executor.runner import ModelRunner
 from executor.server import ExecutorService, build_server, wait_forever
 
 _LOGGER = structlog.get_logger(__name__)
+USAGE_ERROR = 2  # exit status for arguments it cannot serve with (argparse's too): not worth a restart
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cbserve executor", description=__doc__)
     p.add_argument("--model", default=model_source.DEFAULT_MODEL,
                    help="'smollm2' (embedded default), 'tiny[:{json overrides}]', or a local HF checkpoint dir")
-    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
+    p.add_argument("--device", default="auto",
+                   help="auto (the first CUDA GPU if torch sees one, else cpu) | cpu | cuda | cuda:N")
     p.add_argument("--listen", default="unix:///tmp/cbserve-executor.sock",
                    help="unix:///path or host:port")
     p.add_argument("--config", default=None, help="router.yaml: its cache section sizes the KV pool")
@@ -43,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     source = model_source.resolve(args.model)
-    dtype = model_loader.pick_dtype(args.dtype)
-    model = model_loader.load_model(source, dtype)
+    try:
+        device = model_loader.pick_device(args.device)
+        dtype = model_loader.pick_dtype(args.dtype, device)
+    except ValueError as exc:
+        _LOGGER.error("executor arguments refused", error=str(exc))
+        return USAGE_ERROR
+    model = model_loader.load_model(source, dtype, device)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cache.block_size, dtype)
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     _LOGGER.info("executor ready", frozen_objects=gc.get_freeze_count(),
                  listen=args.listen, model=source.name,
-                 dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
+                 dtype=str(dtype).removeprefix("torch."), device=str(device), num_blocks=num_blocks,
                  block_size=cache.block_size, backend=args.attention_backend,
                  threads=torch.get_num_threads())
     wait_forever(server, health, service.worker)

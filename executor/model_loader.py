@@ -13,8 +13,29 @@ from executor.model_source import ModelSource, cache_dir, tiny_config_dict
 _LOGGER = structlog.get_logger(__name__)
 
 
-def pick_dtype(name: str) -> torch.dtype:
-    """'auto' is bf16 where the CPU computes it natively, fp32 otherwise."""
+def pick_device(name: str) -> torch.device:
+    """'auto' is the first CUDA GPU when torch sees one, else the CPU; 'cpu',
+    'cuda' or 'cuda:N' ask for that device and fail clearly without it."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"device {name!r} is not auto|cpu|cuda|cuda:N") from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device {name!r} is not auto|cpu|cuda|cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = 0 if device.index is None else device.index
+    if index >= count:
+        raise ValueError(f"device {name!r}: torch sees {count} CUDA device(s)"
+                         + ("" if torch.version.cuda else " (this torch is a CPU build)"))
+    return torch.device("cuda", index)
+
+
+def pick_dtype(name: str, device: torch.device = torch.device("cpu")) -> torch.dtype:
+    """'auto' is bf16 on a GPU and where the CPU computes it natively, fp32 otherwise."""
     if name in ("bfloat16", "bf16"):
         return torch.bfloat16
     if name in ("float32", "fp32"):
@@ -23,7 +44,7 @@ def pick_dtype(name: str) -> torch.dtype:
         return torch.float16
     if name != "auto":
         raise ValueError(f"dtype {name!r} is not auto|bfloat16|float32|float16")
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
@@ -110,8 +131,9 @@ def checkpoint_dir(source: ModelSource) -> str | None:
     return None
 
 
-def load_model(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
-    """The causal LM in eval mode, on CPU, in `dtype`."""
+def load_model(source: ModelSource, dtype: torch.dtype,
+               device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+    """The causal LM in eval mode, on `device`, in `dtype`."""
     t0 = time.perf_counter()
     if source.kind == "tiny":
         model = build_tiny(source, dtype)
@@ -119,6 +141,7 @@ def load_model(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(source), dtype=dtype)
+    model.to(device)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -126,6 +149,7 @@ def load_model(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
         "model loaded",
         model=source.name,
         dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
         seconds=round(time.perf_counter() - t0, 2),
     )
     return model

@@ -116,7 +116,9 @@ def sample(
         # Greedy fast path in the model's dtype: upcasting bf16 is exact, so
         # the maximum and its first index are the same without the fp32 copy.
         return greedy_tokens(logits), None
-    logits = logits.float()
+    # On the host in fp32 whatever the model's device: the same logits give
+    # the same tokens on every device (a GPU's rows are [N, V], a few MB).
+    logits = logits.to("cpu", torch.float32)
     raw_logprobs = torch.log_softmax(logits, -1) if want_logprobs else None
     penalised = [i for i, (p, h) in enumerate(zip(params, histories)) if p.needs_history and h]
     if penalised:

@@ -70,8 +70,8 @@ def paged_attention(
         q = query[q0:q1].float().transpose(0, 1)  # [Hq, q, D]
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, kv, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-        mask = torch.arange(kv_len).unsqueeze(0) <= q_pos  # [q, kv]
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
+        mask = torch.arange(kv_len, device=query.device).unsqueeze(0) <= q_pos  # [q, kv]
         o = torch.nn.functional.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
         )

@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser("serve", help="start executor and router on this machine")
     _common(serve)
-    serve.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    serve.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
+    serve.add_argument("--device", default="auto",
+                       help="executor device: auto (the first CUDA GPU if torch sees one, else cpu) | cpu | "
+                            "cuda | cuda:N")
     serve.add_argument("--attention-backend", default="native", choices=["native", "torch"])
     serve.add_argument("--executor-threads", type=int, default=0,
                        help="torch threads of the executor (0 = one per core)")

@@ -17,13 +17,16 @@ from router.logging_setup import configure_logging
 from router.main import apply_overrides, run_router
 
 _LOGGER = structlog.get_logger(__name__)
+EXECUTOR_USAGE_ERROR = 2  # executor/main.py's USAGE_ERROR (the router does not import the executor)
 
 
 class ExecutorProcess:
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], on_refused: asyncio.Event | None = None) -> None:
         self.argv = argv
+        self.on_refused = on_refused  # set when the executor refuses its arguments
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
+        self.refused: int | None = None  # exit status when it refused its arguments
         self._stopping = False
 
     async def start(self) -> None:
@@ -42,6 +45,12 @@ class ExecutorProcess:
         while not self._stopping:
             rc = await self.proc.wait()
             if self._stopping:
+                return
+            if rc == EXECUTOR_USAGE_ERROR:  # bad --device / --dtype: a restart would fail the same way
+                self.refused = rc
+                _LOGGER.error("executor refused its arguments; stopping", returncode=rc)
+                if self.on_refused is not None:
+                    self.on_refused.set()  # the router drains and returns
                 return
             self.restarts += 1
             _LOGGER.error("executor exited; restarting", returncode=rc, restarts=self.restarts, in_s=backoff)
@@ -67,14 +76,16 @@ async def _serve(args) -> int:
     if not args.executor_address:
         sock = os.path.join(tempfile.gettempdir(), f"cbserve-{os.getpid()}", "executor.sock")
         cfg.executor.address = f"unix://{sock}"
-    exe_argv = ["--model", args.model, "--dtype", args.dtype, "--listen", cfg.executor.address,
+    exe_argv = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+                "--listen", cfg.executor.address,
                 "--attention-backend", args.attention_backend, "--threads", str(args.executor_threads),
                 "--metrics-port", str(args.executor_metrics_port)]
     if args.config:
         exe_argv += ["--config", args.config]
     if cfg.executor.tls_cert_file and not cfg.executor.address.startswith("unix://"):
         exe_argv += ["--tls-cert", cfg.executor.tls_cert_file, "--tls-key", cfg.executor.tls_key_file]
-    executor = ExecutorProcess(exe_argv)
+    stop = asyncio.Event()
+    executor = ExecutorProcess(exe_argv, on_refused=stop)
     await executor.start()
     watcher = asyncio.get_running_loop().create_task(executor.watch())
 
@@ -89,7 +100,8 @@ async def _serve(args) -> int:
                      try_it=f"cbserve generate --address {host}:{server.port} --chat 'What is the capital of France?'")
 
     try:
-        return await run_router(cfg, args.model, args.config, on_executor_lost=lost, on_started=started)
+        rc = await run_router(cfg, args.model, args.config, on_executor_lost=lost, on_started=started, stop=stop)
+        return EXECUTOR_USAGE_ERROR if executor.refused is not None else rc
     finally:
         await executor.stop()
         watcher.cancel()

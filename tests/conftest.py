@@ -110,7 +110,11 @@ def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = N
 
 def start_server(model: str = "tiny", config: dict | None = None, dtype: str = "float32",
                  backend: str = "native", timeout: float = 120.0, extra_args: list[str] | None = None,
-                 env: dict | None = None, credentials: grpc.ChannelCredentials | None = None) -> Server:
+                 env: dict | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 device: str = "cpu") -> Server:
+    """A `cbserve serve` process, SERVING. On the CPU unless `device` says
+    otherwise, also where a GPU exists (the default `--device auto` would take
+    it): the suite's exactness tests compare against CPU references."""
     cfg = {"cache": {"num_blocks": 512, "block_size": 16}, "logging": {"format": "json"}}
     for key, section in (config or {}).items():
         cfg.setdefault(key, {}).update(section)
@@ -119,7 +123,7 @@ def start_server(model: str = "tiny", config: dict | None = None, dtype: str = "
         yaml.safe_dump(cfg, fh)
     port, mport = free_port(), free_port()
     log_fd, log_path = tempfile.mkstemp(suffix=".log", prefix="cbserve-test-")
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--dtype", dtype,
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--dtype", dtype, "--device", device,
            "--attention-backend", backend, "--config", cfg_path, "--port", str(port),
            "--metrics-port", str(mport), "--host", "127.0.0.1", *(extra_args or [])]
     proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=REPO,

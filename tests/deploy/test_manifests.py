@@ -231,7 +231,10 @@ def test_gpu_overlay_gives_the_executor_a_gpu_and_bf16():
     executor = container(spec, "executor")
     assert str(executor["resources"]["limits"]["nvidia.com/gpu"]) == "1"
     env = {e["name"]: e.get("value") for e in executor["env"]}
-    assert env["CBSERVE_DTYPE"] == "bfloat16"
+    assert env["CBSERVE_DTYPE"] == "bfloat16" and env["CBSERVE_DEVICE"] == "cuda"
+    assert executor["args"][executor["args"].index("--device") + 1] == "$(CBSERVE_DEVICE)"
+    cpu_env = {e["name"]: e.get("value") for e in container(pod_spec(render("cpu")), "executor")["env"]}
+    assert cpu_env["CBSERVE_DEVICE"] == "auto"
     assert spec["nodeSelector"] and spec["tolerations"]
     assert "nvidia.com/gpu" not in str(pod_spec(render("cpu")))
 

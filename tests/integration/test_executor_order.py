@@ -25,7 +25,7 @@ def executor_stub():
     tmp = tempfile.mkdtemp(prefix="cbserve-order-")
     address = f"unix://{tmp}/executor.sock"
     proc = subprocess.Popen([sys.executable, "-m", "executor", "--model", "tiny", "--dtype", "float32",
-                             "--listen", address], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                             "--device", "cpu", "--listen", address], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.ExecutorStub(channel)
     stub._address = address  # for the tests that open their own client

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cbserve.v1 import generation_pb2 as gpb
-from tests.conftest import start_server, wait_serving
+from tests.conftest import REPO, start_server, wait_serving
 from tests.integration.helpers import gen_request, stub, wait_idle
 
 
@@ -127,3 +129,21 @@ def test_drain_timeout_cancels_what_is_left():
     assert server.proc.wait(30) == 0
     assert time.monotonic() - t0 < 15
     assert all(r is not None and (r[:2] == ("finished", "CANCELLED")) for r in results), results
+
+
+@pytest.mark.parametrize("device", ["cuda:{count}", "tpu"])
+def test_a_device_the_executor_cannot_use_stops_serve_instead_of_restarting(device):
+    # --device cuda:N beyond what torch sees (cuda:0 on a CPU-only machine):
+    # the executor exits with status 2, and serve stops with it (a restart
+    # would be refused the same way) after draining its router.
+    import torch
+
+    device = device.format(count=torch.cuda.device_count())
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--device", device,
+                          "--port", "0", "--metrics-port", "0", "--host", "127.0.0.1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    log = out.stdout + out.stderr
+    assert out.returncode == 2, log[-3000:]
+    assert "executor refused its arguments; stopping" in log and "router stopped" in log
+    assert ("torch sees" if device.startswith("cuda") else "is not auto|cpu|cuda|cuda:N") in log
+    assert "executor exited; restarting" not in log
