@@ -100,7 +100,9 @@ class CbserveServer:
         # (cbserve serve gives its executor a unique socket of its own.)
         cfg = write_router_config(self.workdir / f"router-{self.policy}.yaml", self.policy, **sched,
                                   extra=self.config_overrides.get("extra"))
-        cmd = cbserve_command() + ["serve", "--dtype", self.dtype, "--config", str(cfg),
+        # On the CPU also where a GPU exists: the peers here are CPU builds
+        # (a GPU server is measured with `bench run --target`).
+        cmd = cbserve_command() + ["serve", "--dtype", self.dtype, "--device", "cpu", "--config", str(cfg),
                                    "--port", str(self.port), "--metrics-port", str(self.metrics_port)]
         if self.model:
             cmd += ["--model", self.model]
