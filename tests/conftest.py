@@ -111,10 +111,12 @@ def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = N
 def start_server(model: str = "tiny", config: dict | None = None, dtype: str = "float32",
                  backend: str = "native", timeout: float = 120.0, extra_args: list[str] | None = None,
                  env: dict | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 device: str = "cpu") -> Server:
-    """A `cbserve serve` process, SERVING. On the CPU unless `device` says
-    otherwise, also where a GPU exists (the default `--device auto` would take
-    it): the suite's exactness tests compare against CPU references."""
+                 device: str | None = None) -> Server:
+    """A `cbserve serve` process, SERVING. On the CPU unless `device` or the
+    environment's CBSERVE_TEST_DEVICE says otherwise, also where a GPU exists
+    (`--device auto` would take it); CBSERVE_TEST_DEVICE=cuda runs the
+    integration suite's servers on the GPU."""
+    device = device or os.environ.get("CBSERVE_TEST_DEVICE", "cpu")
     cfg = {"cache": {"num_blocks": 512, "block_size": 16}, "logging": {"format": "json"}}
     for key, section in (config or {}).items():
         cfg.setdefault(key, {}).update(section)
