@@ -29,6 +29,42 @@ class CacheShape:
         return max(0, num_bytes // self.bytes_per_block)
 
 
+class KVCacheTooLarge(ValueError):
+    """The configured pool cannot be allocated on its device (or the swap
+    pool on the host)."""
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_fits(device: str, device_bytes: int, host_bytes: int) -> None:
+    """Refuses a pool larger than the memory free for it now, before
+    allocating (an allocation the kernel overcommits would fail later, on
+    first touch, by the OOM killer)."""
+    on_host = host_bytes + (device_bytes if torch.device(device).type == "cpu" else 0)
+    free = host_available_bytes()
+    if free is not None and on_host > free:
+        raise KVCacheTooLarge(f"the KV cache does not fit: it needs {on_host / 2**30:.2f} GiB of host memory "
+                              f"({device_bytes} bytes of blocks on {device}, {host_bytes} of swap), "
+                              f"{free / 2**30:.2f} GiB are available; lower cache.kv_cache_bytes / "
+                              f"cache.num_blocks / cache.swap_space_bytes")
+    if torch.device(device).type == "cuda":
+        gpu_free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if device_bytes > gpu_free:
+            raise KVCacheTooLarge(f"the KV cache does not fit: {device_bytes / 2**30:.2f} GiB of blocks on "
+                                  f"{device}, {gpu_free / 2**30:.2f} GiB free there; lower cache.kv_cache_bytes "
+                                  f"or cache.num_blocks")
+
+
 class KVCache:
     def __init__(self, shape: CacheShape, num_blocks: int, num_swap_blocks: int = 0,
                  device: str = "cpu") -> None:
@@ -38,12 +74,20 @@ class KVCache:
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-        self.key = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.value = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         host = (num_swap_blocks, *dims[1:])
         pin = device != "cpu" and torch.cuda.is_available()
-        self.host_key = [torch.zeros(host, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)]
-        self.host_value = [torch.zeros(host, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)]
+        _check_fits(device, num_blocks * shape.bytes_per_block, num_swap_blocks * shape.bytes_per_block)
+        try:
+            self.key = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+            self.value = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+            self.host_key = [torch.zeros(host, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)]
+            self.host_value = [torch.zeros(host, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)]
+        except RuntimeError as exc:  # torch.OutOfMemoryError included
+            raise KVCacheTooLarge(
+                f"the KV cache does not fit: {num_blocks} blocks on {device} and {num_swap_blocks} swap blocks "
+                f"on the host, {shape.bytes_per_block} bytes each ({exc.__class__.__name__}: "
+                f"{str(exc).splitlines()[0][:200]}); lower cache.kv_cache_bytes / cache.num_blocks / "
+                f"cache.swap_space_bytes") from None
 
     def _check(self, pairs: list[tuple[int, int]], src_n: int, dst_n: int, what: str) -> None:
         for src, dst in pairs:

@@ -10,13 +10,13 @@ import structlog
 import torch
 
 from executor import model_loader, model_source
-from executor.kv_cache import CacheShape
+from executor.kv_cache import CacheShape, KVCacheTooLarge
 from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
 from executor.server import ExecutorService, build_server, wait_forever
 
 _LOGGER = structlog.get_logger(__name__)
-USAGE_ERROR = 2  # exit status for arguments it cannot serve with (argparse's too): not worth a restart
+USAGE_ERROR = 2  # exit status for arguments or config it cannot serve with (argparse's too): no restart
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cache.block_size, dtype)
     num_blocks = cache.num_blocks or shape.blocks_for(cache.kv_cache_bytes)
     num_swap = shape.blocks_for(cache.swap_space_bytes)
-    runner = ModelRunner(model, cache.block_size, num_blocks, num_swap, args.attention_backend)
+    try:
+        runner = ModelRunner(model, cache.block_size, num_blocks, num_swap, args.attention_backend)
+    except KVCacheTooLarge as exc:
+        _LOGGER.error("executor arguments refused", error=str(exc))
+        return USAGE_ERROR
     eos = cfg.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     metrics = ExecutorMetrics()

@@ -46,7 +46,7 @@ class ExecutorProcess:
             rc = await self.proc.wait()
             if self._stopping:
                 return
-            if rc == EXECUTOR_USAGE_ERROR:  # bad --device / --dtype: a restart would fail the same way
+            if rc == EXECUTOR_USAGE_ERROR:  # bad --device / --dtype, a KV pool too large: a restart fails too
                 self.refused = rc
                 _LOGGER.error("executor refused its arguments; stopping", returncode=rc)
                 if self.on_refused is not None:

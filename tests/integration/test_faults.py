@@ -13,6 +13,7 @@ import time
 import grpc
 import psutil
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cbserve.v1 import generation_pb2 as gpb
@@ -131,19 +132,35 @@ def test_drain_timeout_cancels_what_is_left():
     assert all(r is not None and (r[:2] == ("finished", "CANCELLED")) for r in results), results
 
 
-@pytest.mark.parametrize("device", ["cuda:{count}", "tpu"])
-def test_a_device_the_executor_cannot_use_stops_serve_instead_of_restarting(device):
-    # --device cuda:N beyond what torch sees (cuda:0 on a CPU-only machine):
-    # the executor exits with status 2, and serve stops with it (a restart
-    # would be refused the same way) after draining its router.
-    import torch
-
-    device = device.format(count=torch.cuda.device_count())
-    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--device", device,
-                          "--port", "0", "--metrics-port", "0", "--host", "127.0.0.1"],
+def _serve_refused(*args: str) -> str:
+    """Runs `cbserve serve` (tiny model) expecting the executor to refuse its
+    arguments: exit status 2 from both, after the router drained, and no
+    restart of the executor. Returns the log."""
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--port", "0",
+                          "--metrics-port", "0", "--host", "127.0.0.1", *args],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     log = out.stdout + out.stderr
     assert out.returncode == 2, log[-3000:]
     assert "executor refused its arguments; stopping" in log and "router stopped" in log
-    assert ("torch sees" if device.startswith("cuda") else "is not auto|cpu|cuda|cuda:N") in log
     assert "executor exited; restarting" not in log
+    return log
+
+
+@pytest.mark.parametrize("device", ["cuda:{count}", "tpu"])
+def test_a_device_the_executor_cannot_use_stops_serve_instead_of_restarting(device):
+    # --device cuda:N beyond what torch sees (cuda:0 on a CPU-only machine):
+    # a restart would be refused the same way.
+    import torch
+
+    device = device.format(count=torch.cuda.device_count())
+    log = _serve_refused("--device", device)
+    assert ("torch sees" if device.startswith("cuda") else "is not auto|cpu|cuda|cuda:N") in log
+
+
+def test_a_kv_cache_larger_than_memory_stops_serve_with_a_clear_error(tmp_path):
+    # 16 TiB of blocks: refused before any allocation (an overcommitted one
+    # would fail later, in the OOM killer), not restarted every 10 s.
+    cfg = tmp_path / "huge.yaml"
+    cfg.write_text(yaml.safe_dump({"cache": {"kv_cache_bytes": 1 << 44}}))
+    log = _serve_refused("--device", "cpu", "--config", str(cfg))
+    assert "the KV cache does not fit" in log and "lower cache.kv_cache_bytes" in log
