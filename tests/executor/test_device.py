@@ -1,0 +1,54 @@
+"""The executor's device and dtype choice, and the KV pool's memory check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor import model_loader
+from executor.kv_cache import CacheShape, KVCache, KVCacheTooLarge, host_available_bytes
+
+
+def test_auto_is_the_first_gpu_when_torch_sees_one_else_the_cpu():
+    want = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert model_loader.pick_device("auto") == want
+    assert model_loader.pick_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["tpu", "cuda:x", "", "mps"])
+def test_devices_that_are_not_cpu_or_cuda_are_refused(name):
+    with pytest.raises(ValueError, match="is not auto|cpu|cuda|cuda:N"):
+        model_loader.pick_device(name)
+
+
+def test_a_gpu_index_torch_does_not_see_is_refused():
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"torch sees {count} CUDA device"):
+        model_loader.pick_device(f"cuda:{count}")
+    if count == 0:
+        with pytest.raises(ValueError, match="torch sees 0 CUDA device"):
+            model_loader.pick_device("cuda")
+
+
+def test_auto_dtype_depends_on_the_device():
+    assert model_loader.pick_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    native_bf16 = model_loader.cpu_has_native_bf16()
+    assert model_loader.pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert model_loader.pick_dtype("float16", torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        model_loader.pick_dtype("int8")
+
+
+def test_a_pool_larger_than_available_memory_is_refused_before_allocating():
+    shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    free = host_available_bytes()
+    assert free is not None and free > 0
+    too_many = free // shape.bytes_per_block + 1
+    # The up-front check's message (an allocation failure reads differently).
+    with pytest.raises(KVCacheTooLarge, match="does not fit: it needs .* GiB of host memory"):
+        KVCache(shape, too_many, 0)
+    # The swap pool counts too.
+    with pytest.raises(KVCacheTooLarge, match="of swap"):
+        KVCache(shape, 4, too_many)
+    pool = KVCache(shape, 4, 2)
+    assert pool.key[0].shape == (4, 16, 2, 64) and pool.host_key[0].shape == (2, 16, 2, 64)
