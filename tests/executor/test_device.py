@@ -52,3 +52,25 @@ def test_a_pool_larger_than_available_memory_is_refused_before_allocating():
         KVCache(shape, 4, too_many)
     pool = KVCache(shape, 4, 2)
     assert pool.key[0].shape == (4, 16, 2, 64) and pool.host_key[0].shape == (2, 16, 2, 64)
+
+
+def _fake_root(tmp_path, meminfo_kb, files):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {meminfo_kb} kB\n")
+    for rel, text in files.items():
+        path = tmp_path / "sys" / "fs" / "cgroup" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("files, want", [
+    ({}, 8 << 30),  # no cgroup files: MemAvailable
+    ({"memory.max": "max\n", "memory.current": "123\n"}, 8 << 30),  # v2, no limit
+    ({"memory.max": str(3 << 30), "memory.current": str(1 << 30)}, 2 << 30),  # v2 pod limit
+    ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "5"}, 8 << 30),
+    ({"memory/memory.limit_in_bytes": str(4 << 30), "memory/memory.usage_in_bytes": str(3 << 30)}, 1 << 30),
+    ({"memory.max": str(1 << 30), "memory.current": str(2 << 30)}, 0),  # over its limit already
+])
+def test_available_memory_honours_a_cgroup_limit(tmp_path, files, want):
+    assert host_available_bytes(_fake_root(tmp_path, 8 << 20, files)) == want
