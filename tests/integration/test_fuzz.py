@@ -254,8 +254,11 @@ def _check_after_storm(server, before, results, sent):
     e2e = after["cbserve_e2e_request_latency_seconds_count"] - before["cbserve_e2e_request_latency_seconds_count"]
     assert e2e == admitted
     refused = sum(1 for code, _ in results if code == S.RESOURCE_EXHAUSTED)
+    # A refusal can cross the client's own deadline: the server counts it,
+    # the client saw DEADLINE_EXCEEDED with no token (seen: 81 counted, 79 seen).
+    gave_up = sum(1 for code, n in results if code == S.DEADLINE_EXCEEDED and n == 0)
     key = "cbserve_request_errors_total{status=RESOURCE_EXHAUSTED}"
-    assert after.get(key, 0) - before.get(key, 0) == refused
+    assert refused <= after.get(key, 0) - before.get(key, 0) <= refused + gave_up
     ok = sum(1 for code, _ in results if code == S.OK)
     ok_server = sum(v - before.get(k, 0) for k, v in after.items()
                     if k.startswith("cbserve_requests_total{") and "status=OK" in k)
