@@ -53,11 +53,9 @@ def _ext_modules():
         # CBSERVE_CUDA_ARCHS ("80;90" by default) unless only torch's own
         # TORCH_CUDA_ARCH_LIST is set (deploy/docker/Dockerfile.cuda): explicit
         # -gencode flags would make torch ignore it.
-        archs = os.environ.get("CBSERVE_CUDA_ARCHS")
-        if archs is None and os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            archs = ""
+        archs = os.environ.get("CBSERVE_CUDA_ARCHS", "" if os.environ.get("TORCH_CUDA_ARCH_LIST") else "80;90")
         gencode = []
-        for a in filter(None, (archs if archs is not None else "80;90").split(";")):
+        for a in filter(None, archs.split(";")):
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
         return [
             CUDAExtension(

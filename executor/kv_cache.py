@@ -73,14 +73,15 @@ def _check_fits(device: str, device_bytes: int, host_bytes: int) -> None:
     """Refuses a pool larger than the memory free for it now, before
     allocating (an allocation the kernel overcommits would fail later, on
     first touch, by the OOM killer)."""
-    on_host = host_bytes + (device_bytes if torch.device(device).type == "cpu" else 0)
+    kind = torch.device(device).type
+    on_host = host_bytes + (device_bytes if kind == "cpu" else 0)
     free = host_available_bytes()
     if free is not None and on_host > free:
         raise KVCacheTooLarge(f"the KV cache does not fit: it needs {on_host / 2**30:.2f} GiB of host memory "
                               f"({device_bytes} bytes of blocks on {device}, {host_bytes} of swap), "
                               f"{free / 2**30:.2f} GiB are available; lower cache.kv_cache_bytes / "
                               f"cache.num_blocks / cache.swap_space_bytes")
-    if torch.device(device).type == "cuda":
+    if kind == "cuda":
         gpu_free, _ = torch.cuda.mem_get_info(torch.device(device))
         if device_bytes > gpu_free:
             raise KVCacheTooLarge(f"the KV cache does not fit: {device_bytes / 2**30:.2f} GiB of blocks on "

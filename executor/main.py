@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         device = model_loader.pick_device(args.device)
         dtype = model_loader.pick_dtype(args.dtype, device)
     except ValueError as exc:
-        _LOGGER.error("executor arguments refused", error=str(exc))
-        return USAGE_ERROR
+        return _refused(exc)
     model = model_loader.load_model(source, dtype, device)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -61,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner = ModelRunner(model, cache.block_size, num_blocks, num_swap, args.attention_backend)
     except KVCacheTooLarge as exc:
-        _LOGGER.error("executor arguments refused", error=str(exc))
-        return USAGE_ERROR
+        return _refused(exc)
     eos = cfg.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     metrics = ExecutorMetrics()
@@ -82,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
                  threads=torch.get_num_threads())
     wait_forever(server, health, service.worker)
     return 0
+
+
+def _refused(exc: Exception) -> int:
+    """Logs why the arguments or config cannot be served; the exit status."""
+    _LOGGER.error("executor arguments refused", error=str(exc))
+    return USAGE_ERROR
 
 
 def _cache_config(path: str | None):

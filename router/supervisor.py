@@ -26,7 +26,7 @@ class ExecutorProcess:
         self.on_refused = on_refused  # set when the executor refuses its arguments
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
-        self.refused: int | None = None  # exit status when it refused its arguments
+        self.refused = False  # it exited with EXECUTOR_USAGE_ERROR
         self._stopping = False
 
     async def start(self) -> None:
@@ -47,7 +47,7 @@ class ExecutorProcess:
             if self._stopping:
                 return
             if rc == EXECUTOR_USAGE_ERROR:  # bad --device / --dtype, a KV pool too large: a restart fails too
-                self.refused = rc
+                self.refused = True
                 _LOGGER.error("executor refused its arguments; stopping", returncode=rc)
                 if self.on_refused is not None:
                     self.on_refused.set()  # the router drains and returns
@@ -101,7 +101,7 @@ async def _serve(args) -> int:
 
     try:
         rc = await run_router(cfg, args.model, args.config, on_executor_lost=lost, on_started=started, stop=stop)
-        return EXECUTOR_USAGE_ERROR if executor.refused is not None else rc
+        return EXECUTOR_USAGE_ERROR if executor.refused else rc
     finally:
         await executor.stop()
         watcher.cancel()
