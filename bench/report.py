@@ -17,6 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench.targets import alone_rows, evaluate, limits_text  # noqa: E402
+
 # Row order of the classic table.
 SYSTEM_ORDER = ["hf-static", "hf-cb", "vllm-cpu", "cbserve-static", "cbserve-dynamic", "cbserve-fcfs"]
 SYSTEM_LABELS = {
@@ -274,6 +276,28 @@ def plot_latency_vs_rate(sweep: list[dict], path: Path) -> Path:
 
 # ---------------------------------------------------------------- document
 
+def alone_table(results: dict) -> str:
+    """The batch-1 and batch-64 overhead runs' decode steps again, through
+    the executor's model runner alone (bench/standalone.py: same batch,
+    128-token prompts, 48 tokens each, so the same contexts; no router, gRPC
+    or load generator), against the memory roof of each step (every weight
+    and the batch's K/V read once at the measured stream bandwidth) and the
+    same batch in the server."""
+    rows = []
+    for r in alone_rows(results):
+        rows.append([str(r["batch"]), _fmt(r["decode_tok_s"]), _fmt(r["step_ms"], 1), _fmt(r["forward_ms"], 1),
+                     _fmt(r["step_mb"]), _fmt(r.get("memory_roof_tok_s")), _share(r.get("memory_roof_share")),
+                     _fmt(r.get("served_tok_s")), _share(r.get("served_over_alone"))])
+    return _table(["batch", "decode tok/s alone", "step ms", "forward ms", "MB read per step",
+                   "memory roof tok/s", "share of memory roof", "decode tok/s in the server",
+                   "server / alone"], rows)
+
+
+def targets_table(rows: list[dict]) -> str:
+    return _table(["target", "measured in this run", "status"],
+                  [[r["target"], r["measured"], r["status"]] for r in rows])
+
+
 def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks.md",
                   plot_prefix: str = "bench_") -> Path:
     out = Path(out_dir)
@@ -327,6 +351,11 @@ def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks
     if results.get("overheads"):
         lines += ["## Per-iteration overhead outside the model forward", "",
                   " ".join(overhead_table.__doc__.split()), "", overhead_table(results["overheads"]), ""]
+    if results.get("standalone"):
+        lines += ["## The executor alone", "", " ".join(alone_table.__doc__.split()), "", alone_table(results), ""]
+    targets = evaluate(results)
+    if targets:
+        lines += ["## Targets", "", targets_table(targets), ""] + [p + "\n" for p in limits_text(results)]
     if results.get("errors"):
         lines += ["## Problems during this run", ""] + [f"- {e}" for e in results["errors"]] + [""]
     if results.get("commands"):

@@ -253,6 +253,16 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
             for r in extra[2:] if overheads else extra:
                 r = dict(r)
                 results["rate_sweep"].append(r)
+    if overheads and "overheads" in results and not over_budget("executor alone"):
+        # The batch-1 and batch-64 overhead runs again, through the executor's
+        # runner alone in this process (no server is running now).
+        from bench import standalone
+
+        log("executor alone")
+        try:
+            results["standalone"] = standalone.measure((1, 64), model=cbserve_model, dtype=dtypes[0])
+        except Exception as exc:  # noqa: BLE001 - a report section, not the run
+            results["errors"].append(f"executor-alone measurement failed: {type(exc).__name__}: {exc}")
     if roofline and not over_budget("roofline"):
         from bench import roofline as rl
 
@@ -269,6 +279,9 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
             " cbserve decode tok/s at batch 64: steady-state rate while 64 fixed-length (48-token) requests of "
             "128-token prompts all run (tokens between the last first token and the first finish).")
         results["roofline"] = roof
+        from bench.targets import attach_alone
+
+        attach_alone(results)
     results["machine"]["loadavg_start_end"] = f"{load0:.2f} / {os.getloadavg()[0]:.2f}"
     results["versions"] = versions(vllm_version)
     results["suite_seconds"] = time.perf_counter() - t_suite

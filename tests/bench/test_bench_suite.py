@@ -4,6 +4,7 @@ import pytest
 
 import bench.hf_export
 import bench.runner
+import bench.standalone
 from bench.runner import make_run
 from bench.stats import RequestRecord
 from bench.suite import run_suite
@@ -28,7 +29,14 @@ def _fake_run_system(system, workloads, *, dtype, **kw):
     return out
 
 
+def _fake_alone(batches, model=None, dtype="bfloat16"):
+    return {"model": "fake", "dtype": dtype, "threads": 2,
+            "rows": [{"batch": b, "prompt_len": 128, "decode_steps": 47, "mean_context": 152.5,
+                      "decode_tok_s": 10.0 * b, "step_ms": 100.0, "forward_ms": 90.0} for b in batches]}
+
+
 def test_suite_with_stub_systems(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.standalone, "measure", _fake_alone)
     monkeypatch.setattr(bench.runner, "run_system", _fake_run_system)
     monkeypatch.setattr(bench.runner, "vllm_available", lambda: False)
     monkeypatch.setattr(bench.hf_export, "export_smollm2_hf", lambda *a, **k: tmp_path / "model")
@@ -43,6 +51,8 @@ def test_suite_with_stub_systems(tmp_path, monkeypatch):
     assert [r["rate"] for r in res["rate_sweep"]] == [50.0]
     md = (tmp_path / "docs" / "benchmarks.md").read_text()
     assert "cbserve fcfs (continuous)" in md and "Latency vs arrival rate" in md
+    assert [r["batch"] for r in res["standalone"]["rows"]] == [1, 64]
+    assert "## The executor alone" in md and "| 64 | 640 |" in md
     assert (tmp_path / "res" / "summary.json").exists()
 
 

@@ -1,0 +1,85 @@
+"""The executor's decode rate alone: its model runner in this process, with
+no router, gRPC or load generator beside it.
+
+The suite's batch-64 overhead run measures decode inside the server, where
+the router, the executor and the load generator share the machine. This runs
+the same steps (the same batch, prompt length and decode window, so the same
+contexts) through `executor.runner.ModelRunner` alone, so the report can tell
+the forward's own share of the roofline from what the other processes take
+from it. The runner gets the plans the router would send: each prompt
+prefilled whole, then one token per sequence per step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cbserve.v1 import executor_pb2 as pb
+from executor.model_loader import load_model, pick_dtype
+from executor.model_source import resolve
+from executor.runner import ModelRunner
+
+BLOCK_SIZE = 16
+
+
+def _prefill_plan(step_id: int, seq_ids: range, prompt_len: int, blocks_per_seq: int,
+                  gen: torch.Generator, vocab: int) -> pb.Plan:
+    plan = pb.Plan(step_id=step_id)
+    for sid in seq_ids:
+        s = plan.seqs.add()
+        s.seq_id = sid
+        s.new.token_ids.extend(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist())
+        s.num_tokens = prompt_len
+        s.new_block_ids.extend(range(sid * blocks_per_seq, (sid + 1) * blocks_per_seq))
+    return plan
+
+
+def measure_runner(runner: ModelRunner, batch: int, prompt_len: int, decode_tokens: int, seed: int = 0,
+                   prefill_seqs_per_step: int = 4) -> dict:
+    """Prefills `batch` random prompts, then times `decode_tokens` - 1 decode
+    steps of the whole batch (the first sampled token comes from the prefill).
+    Returns tokens/s and the mean step time."""
+    vocab = int(runner.config.vocab_size)
+    blocks_per_seq = -(-(prompt_len + decode_tokens) // runner.block_size)
+    if batch * blocks_per_seq > runner.kv.num_blocks:
+        raise ValueError(f"{batch} sequences of {prompt_len + decode_tokens} tokens need "
+                         f"{batch * blocks_per_seq} blocks; the runner has {runner.kv.num_blocks}")
+    gen = torch.Generator().manual_seed(seed)
+    runner.reset()
+    step = 0
+    for first in range(0, batch, prefill_seqs_per_step):
+        step += 1
+        ids = range(first, min(batch, first + prefill_seqs_per_step))
+        runner.step(_prefill_plan(step, ids, prompt_len, blocks_per_seq, gen, vocab))
+    decode = pb.Plan()
+    for sid in range(batch):
+        decode.seqs.add(seq_id=sid, num_tokens=1)
+    steps = max(1, decode_tokens - 1)
+    forward = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step += 1
+        decode.step_id = step
+        forward += runner.step(decode).forward_seconds
+    wall = time.perf_counter() - t0
+    runner.reset()
+    return {"batch": batch, "prompt_len": prompt_len, "decode_steps": steps,
+            "mean_context": prompt_len + (decode_tokens + 1) / 2,
+            "decode_tok_s": batch * steps / wall, "step_ms": 1e3 * wall / steps,
+            "forward_ms": 1e3 * forward / steps}
+
+
+def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_tokens: int = 48,
+            model: str | None = None, dtype: str = "bfloat16", seed: int = 0) -> dict:
+    """Loads the model as the executor does (same kernels, same attention
+    backend) and measures each batch size once after one warm-up pass."""
+    source = resolve(model)
+    device = torch.device("cpu")
+    torch_dtype = pick_dtype(dtype, device)
+    runner = ModelRunner(load_model(source, torch_dtype, device), BLOCK_SIZE,
+                         num_blocks=max(batches) * (-(-(prompt_len + decode_tokens) // BLOCK_SIZE)))
+    measure_runner(runner, min(batches), prompt_len, min(decode_tokens, 4), seed)  # warm-up
+    rows = [measure_runner(runner, b, prompt_len, decode_tokens, seed) for b in batches]
+    return {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows}
