@@ -34,6 +34,7 @@ import torch
 
 from executor.attention import AttnMetadata
 from executor.fused_modules import FusedMLP, FusedRMSNorm
+from executor.gguf_weights import blocks_of
 from executor.packed_linear import PackedLinear
 
 _LOGGER = structlog.get_logger(__name__)
@@ -64,6 +65,9 @@ def _fused_qkv(attn: torch.nn.Module) -> PackedLinear:
         lin.weight.copy_(w)
         if all(has_bias):
             lin.bias.copy_(torch.cat([p.bias.detach() for p in projs], 0))
+    blocks = blocks_of(*projs)
+    if blocks is not None:
+        lin.cbserve_blocks = blocks
     return PackedLinear(lin)
 
 

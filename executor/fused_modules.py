@@ -55,8 +55,14 @@ class FusedMLP(torch.nn.Module):
         amx = _amx_gate_up_ops(w)
         self.gate_up: PackedLinear | None = None
         if amx is not None:
+            from executor.gguf_weights import blocks_of, packed_tiles
+
             pack, self._gate_up_silu = amx
-            self.packed_gate_up = pack(w)
+            # amx_pack_gate_up's row order: gate block j, then up block j (16 rows each).
+            blocks = blocks_of(gate, up)
+            if blocks is not None:
+                blocks = blocks.rows(torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1))
+            self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
         else:
             fused = torch.nn.Linear(gate.in_features, 2 * self.inter, bias=False, dtype=gate.weight.dtype)
             with torch.no_grad():
@@ -68,8 +74,13 @@ class FusedMLP(torch.nn.Module):
 
     @property
     def kernel(self) -> str:
-        """What computes silu(gate) * up: "amx_linear_silu_mul" or "<gate_up kernel> + silu_and_mul"."""
-        return "amx_linear_silu_mul" if self.gate_up is None else f"{self.gate_up.kernel} + silu_and_mul"
+        """What computes silu(gate) * up: "amx_linear_silu_mul" (+ "-q4_1" / "-q8_0" over GGUF blocks)
+        or "<gate_up kernel> + silu_and_mul"."""
+        if self.gate_up is not None:
+            return f"{self.gate_up.kernel} + silu_and_mul"
+        p = self.packed_gate_up
+        return "amx_linear_silu_mul" + ({320: "-q4_1", 544: "-q8_0"}.get(p.shape[-1], "")
+                                         if p.dtype == torch.uint8 else "")
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), [..., I]."""

@@ -145,11 +145,26 @@ def load_model(source: ModelSource, dtype: torch.dtype,
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    blocks = _attach_gguf_blocks(model, source, dtype, device)
     _LOGGER.info(
         "model loaded",
         model=source.name,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         seconds=round(time.perf_counter() - t0, 2),
+        gguf_block_layers=blocks,
     )
     return model
+
+
+def _attach_gguf_blocks(model: torch.nn.Module, source: ModelSource, dtype: torch.dtype,
+                        device: torch.device) -> int:
+    """bf16 on an AMX CPU from a GGUF: its 4/8-bit blocks go with the linear
+    layers for the kernels to stream (executor/gguf_weights.py); 0 elsewhere."""
+    if source.kind != "gguf" or dtype != torch.bfloat16 or device.type != "cpu":
+        return 0
+    from executor import gguf_weights
+
+    if not (gguf_weights.enabled() and gguf_weights.supported()):
+        return 0
+    return gguf_weights.attach(model, os.path.join(source.path, source.gguf_file))

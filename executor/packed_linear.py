@@ -68,8 +68,13 @@ class PackedLinear(torch.nn.Module):
         self._amx = None
         self._amx_argmax = None
         if amx is not None:
+            from executor.gguf_weights import blocks_of, packed_tiles
+
             pack, self._amx = amx
-            self.packed = pack(w)
+            # A GGUF layer's 4/8-bit blocks where they expand to exactly these
+            # weights; kept for the lean forward's fused q|k|v (fast_forward.py).
+            self.cbserve_blocks = blocks_of(linear)
+            self.packed = packed_tiles(self.cbserve_blocks, pack(w), "linear")
             self._amx_argmax = _fused().amx_linear_argmax  # amx_ops() checked the CPU
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
@@ -77,8 +82,12 @@ class PackedLinear(torch.nn.Module):
 
     @property
     def kernel(self) -> str:
-        """Which kernel family runs: "amx", "skinny" (+ oneDNN) or "onednn"."""
-        return "amx" if self._amx is not None else "skinny" if self._skinny is not None else "onednn"
+        """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
+        blocks), "skinny" (+ oneDNN) or "onednn"."""
+        if self._amx is not None:
+            return {320: "amx-q4_1", 544: "amx-q8_0"}.get(self.packed.shape[-1], "amx") \
+                if self.packed.dtype == torch.uint8 else "amx"
+        return "skinny" if self._skinny is not None else "onednn"
 
     def kernel_for(self, rows: int) -> str:
         """The kernel forward() runs for `rows` rows of (contiguous) input."""

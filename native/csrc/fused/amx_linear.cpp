@@ -18,6 +18,20 @@
 // zero-padded [M rounded up to 16, K rounded up to 32] buffer so that every
 // tile load stays in bounds.
 //
+// The weights may also stay in the 4- or 8-bit blocks of a GGUF file
+// (Q4_1: w = d * q + m, Q8_0: w = d * q, 32 weights of one row per block),
+// packed by executor/gguf_weights.py into tiles of 320 / 544 bytes against
+// 1 KB. They are expanded to bf16 tiles on the way: in a single pass (up to
+// 32 rows) each k-block's two tiles one iteration ahead of their multiply,
+// into an L1 buffer, with the blocks software-prefetched (the expansion, not
+// the memory, is then the limit); with more rows a claimed run at a time into
+// a per-thread buffer that the passes read from L2. The expansion computes
+// d * q (+ m) in fp32 and rounds to bf16 (RNE), as transformers' GGUF loader
+// and a bf16 cast do, so the tiles are bit-identical to amx_pack_weight of
+// the bf16 model's weights and so are the outputs. SmolLM2 at one row: its 121
+// projections 9.7 against 11.4 ms a step (timed per call in the lean forward),
+// a whole decode step 10.4-11.0 against 12.5-12.8 ms.
+//
 // amx_linear_silu_mul is the MLP's gate|up projection on the same loop with
 // a different epilogue: amx_pack_gate_up interleaves the gate and up rows in
 // blocks of 16, so a thread's pair of column blocks is the gate and the up of
@@ -53,6 +67,13 @@ constexpr int64_t kTileN = 16;                  // output features per weight ti
 constexpr int64_t kTileK = 32;                  // K elements per tile (16 bf16 pairs)
 constexpr int64_t kTileM = 16;                  // rows of x per tile
 constexpr int64_t kTileElems = kTileK * kTileN;  // 512 bf16 = 1 KB
+
+// Packed weight formats (amx_pack_weight; Q4_1 / Q8_0 blocks packed by executor/gguf_weights.py).
+enum class Fmt { kBf16, kQ4_1, kQ8_0 };
+constexpr int64_t kQ41TileBytes = 320;  // q [4][16 n][4 k-pairs] nibbles (low: even k), d [16], m [16] fp16
+constexpr int64_t kQ80TileBytes = 544;  // q [16 k-pairs][2][16 n] int8 (even k, then odd k), d [16] fp16
+
+int64_t tile_bytes(Fmt f) { return f == Fmt::kQ4_1 ? kQ41TileBytes : kQ80TileBytes; }
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -157,6 +178,49 @@ CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, i
   }
 }
 
+// Word w of a tile row holds k-parity (w % 2) of feature w / 2: from words
+// [16 even-k values | 16 odd-k values] of one k-pair row.
+alignas(64) constexpr uint16_t kPairInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+CB_AMX inline __m512i pair_interleave() { return _mm512_load_si512(kPairInterleave); }
+
+// One tile of bf16 weights [16 k-pairs][16 n][2] from its Q4_1 / Q8_0 block
+// form: d * q (+ m) in fp32, then bf16 RNE, as gguf-py and a bf16 cast round
+// them. d * q is exact in fp32 (an 11-bit fp16 significand times a 4- or
+// 8-bit integer), so one FMA rounds d * q + m exactly as a product then a sum do.
+CB_AMX void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst, __m512i inter) {
+  if (fmt == Fmt::kQ4_1) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 288)));
+    // q as fp32 by table lookup: vpermps reads only the low 4 bits of each index.
+    const __m512 q16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int g = 0; g < 4; ++g) {  // dword n of group g: the bytes of rows 4g .. 4g + 3 for feature n
+      const __m512i v = _mm512_loadu_si512(src + 64 * g);
+#define CB_Q4_ROW(r)                                                                                       \
+  do {                                                                                                     \
+    const __m512 e = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r)), q16), d, m);     \
+    const __m512 o = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r) + 4), q16), d, m); \
+    const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e));                               \
+    _mm512_storeu_si512(dst + 32 * (4 * g + (r)), _mm512_permutexvar_epi16(inter, w));                    \
+  } while (0)
+      CB_Q4_ROW(0);
+      CB_Q4_ROW(1);
+      CB_Q4_ROW(2);
+      CB_Q4_ROW(3);
+#undef CB_Q4_ROW
+    }
+    return;
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 512)));
+  for (int j = 0; j < 16; ++j) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(src + 32 * j);
+    const __m512 e = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
+    const __m512 o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+    const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e));
+    _mm512_storeu_si512(dst + 32 * j, _mm512_permutexvar_epi16(inter, w));
+  }
+}
+
 // Column blocks nb and nb + 1 (when `two`) for rows m0 .. m0 + 31 of x (one
 // pass). With `silu_inter` > 0 the pair is (gate block, up block) of a weight
 // packed by amx_pack_gate_up and y is [M, silu_inter]: silu(gate) * up.
@@ -168,20 +232,50 @@ CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, i
 // lines are plain L1 hits and the vector work overlaps the next pass's tiles.
 CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                       int64_t M, int64_t Mpad, int64_t Kpad, int64_t N, int64_t nb, bool two, int64_t m0,
-                      int64_t silu_inter, float* acc, int& slot, PassOut& pending, ArgmaxRows* am) {
+                      int64_t silu_inter, float* acc, int& slot, PassOut& pending, ArgmaxRows* am,
+                      int64_t wp_nb0, Fmt fmt = Fmt::kBf16, const uint8_t* q = nullptr, uint16_t* qbuf = nullptr) {
   constexpr int64_t kAcc = kTileM * kTileN;
   const int64_t kblocks = Kpad / kTileK;
-  const uint16_t* w0 = wp + nb * kblocks * kTileElems;
+  const uint16_t* w0 = wp + (nb - wp_nb0) * kblocks * kTileElems;  // wp holds column blocks from wp_nb0
   const uint16_t* w1 = w0 + kblocks * kTileElems;
+  // With `q` (a single pass over block-quantised weights): each k-block's two
+  // tiles are expanded into `qbuf` (L1, alternating halves) just before use.
+  const int64_t tb = q != nullptr ? tile_bytes(fmt) : 0;
+  const uint8_t* q0 = q != nullptr ? q + nb * kblocks * tb : nullptr;
+  const uint8_t* q1 = q0 + kblocks * tb;
+  const __m512i inter = pair_interleave();
   const int64_t xstride = Kpad * 2;
   const bool two_m = m0 + kTileM < Mpad;
   const uint16_t* x0 = xp + m0 * Kpad;
   const uint16_t* x1 = x0 + kTileM * Kpad;
+  if (q0 != nullptr) {
+    dequant_tile(fmt, q0, qbuf, inter);
+    if (two) dequant_tile(fmt, q1, qbuf + kTileElems, inter);
+  }
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kb = 0; kb < kblocks; ++kb) {
+    if (q0 != nullptr) {
+      // Expand k-block kb + 1 now and multiply k-block kb (expanded one
+      // iteration ago): the tile loads never wait for stores still in flight.
+      const int64_t nk = kb + 1;
+      if (nk < kblocks) {
+        const uint8_t* a0 = q0 + (nk + 2) * tb;
+        const uint8_t* a1 = q1 + (nk + 2) * tb;
+        for (int64_t l = 0; l < tb; l += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(a0 + l), _MM_HINT_T0);
+          if (two) _mm_prefetch(reinterpret_cast<const char*>(a1 + l), _MM_HINT_T0);
+        }
+        uint16_t* nbuf = qbuf + (nk & 1) * 2 * kTileElems;
+        dequant_tile(fmt, q0 + nk * tb, nbuf, inter);
+        if (two) dequant_tile(fmt, q1 + nk * tb, nbuf + kTileElems, inter);
+      }
+      const uint16_t* b = qbuf + (kb & 1) * 2 * kTileElems;
+      w0 = b - kb * kTileElems;
+      w1 = b + kTileElems - kb * kTileElems;
+    }
     _tile_loadd(4, x0 + kb * kTileK, xstride);
     _tile_loadd(6, w0 + kb * kTileElems, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -205,6 +299,16 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
   pending = PassOut{a, m0, nb, two, two_m};
 }
 
+// `count` consecutive tiles of block-quantised weights -> bf16 tiles.
+CB_AMX void dequant_tiles(Fmt fmt, const uint8_t* src, uint16_t* dst, int64_t count) {
+  const __m512i inter = pair_interleave();
+  const int64_t tb = tile_bytes(fmt);
+  for (int64_t t = 0; t < count; ++t) {
+    for (int64_t l = 0; l < tb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(src + (t + 4) * tb + l), _MM_HINT_T0);
+    dequant_tile(fmt, src + t * tb, dst + t * kTileElems, inter);
+  }
+}
+
 // Pairs of column blocks claimed `chunk` at a time from `next` until none is
 // left (in increasing order on each thread). A claimed run is swept one
 // 32-row pass at a time over all its pairs: the pass's rows of x (36 KB at
@@ -213,21 +317,45 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
 // within each pair, x was re-read from L2 for every pair (batch-64 decode,
 // all 121 projections: 20.1-20.7 ms against 22.3-22.6; 128 rows 34.9-35.2
 // against 37.4-38.3).
-CB_AMX void run_pairs(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
-                      int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks, std::atomic<int64_t>& next,
-                      int64_t chunk, int64_t silu_inter, ArgmaxRows* am) {
+CB_AMX void run_pairs(const uint16_t* xp, const void* weights, Fmt fmt, const uint16_t* bias, uint16_t* y,
+                      int64_t M, int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks,
+                      std::atomic<int64_t>& next, int64_t chunk, int64_t silu_inter, ArgmaxRows* am) {
   alignas(64) float acc[2 * 4 * kTileM * kTileN];
   int slot = 0;
   PassOut pending;
   const int64_t npairs = (nblocks + 1) / 2;
+  const int64_t kblocks = Kpad / kTileK;
+  // Block-quantised weights: each claimed run is expanded to bf16 tiles here
+  // first (up to 8 pairs: 16 x 18 KB at K = 576) and the passes read them from L2.
+  // Kept per thread between calls: a fresh 0.3-0.8 MB allocation would be
+  // mapped and faulted in on every call.
+  thread_local std::vector<uint16_t> run_tiles;
+  if (fmt != Fmt::kBf16 && Mpad > 2 * kTileM && run_tiles.size() < size_t(2 * chunk * kblocks * kTileElems))
+    run_tiles.resize(2 * chunk * kblocks * kTileElems);
+  alignas(64) uint16_t qbuf[4 * kTileElems];
   load_tile_config();
   for (int64_t p0 = next.fetch_add(chunk, std::memory_order_relaxed); p0 < npairs;
        p0 = next.fetch_add(chunk, std::memory_order_relaxed)) {
     const int64_t p1 = std::min(p0 + chunk, npairs);
+    const uint16_t* wp = static_cast<const uint16_t*>(weights);
+    int64_t wp_nb0 = 0;
+    if (fmt != Fmt::kBf16 && Mpad <= 2 * kTileM) {  // one pass: expand each tile just before its use
+      for (int64_t p = p0; p < p1; ++p)
+        pair_pass(xp, nullptr, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, 0, silu_inter, acc, slot,
+                  pending, am, 0, fmt, static_cast<const uint8_t*>(weights), qbuf);
+      continue;
+    }
+    if (fmt != Fmt::kBf16) {
+      wp_nb0 = 2 * p0;
+      const int64_t tiles = (std::min(2 * p1, nblocks) - wp_nb0) * kblocks;
+      dequant_tiles(fmt, static_cast<const uint8_t*>(weights) + wp_nb0 * kblocks * tile_bytes(fmt),
+                    run_tiles.data(), tiles);
+      wp = run_tiles.data();
+    }
     for (int64_t m0 = 0; m0 < Mpad; m0 += 2 * kTileM)
       for (int64_t p = p0; p < p1; ++p)
         pair_pass(xp, wp, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, m0, silu_inter, acc, slot,
-                  pending, am);
+                  pending, am, wp_nb0);
   }
   if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, silu_inter, am);
   _tile_release();
@@ -260,29 +388,43 @@ torch::Tensor amx_pack_weight(const torch::Tensor& weight) {
 
 namespace {
 
-// Checks x and packed (from amx_pack_weight of an [n_features, K] weight);
-// returns nblocks.
-int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_features) {
+// Checks x and packed (amx_pack_weight, amx_pack_gate_up, or the uint8
+// [N/16, K/32, tile bytes] blocks of a Q4_1 / Q8_0 weight packed in Python,
+// executor/gguf_weights.py) for an [n_features, K] weight; returns nblocks.
+int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_features, Fmt& fmt) {
   TORCH_CHECK(amx_linear_supported(), "amx_linear needs an AMX-BF16 CPU");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "amx_linear is bf16 only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "amx_linear is bf16 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   const int64_t Kpad = round_up(x.size(1), kTileK);
   const int64_t nblocks = round_up(n_features, kTileN) / kTileN;
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 5 && packed.size(0) == nblocks &&
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  if (packed.scalar_type() == at::kByte) {
+    TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kQ41TileBytes || packed.size(2) == kQ80TileBytes),
+                "block-quantised weights must be uint8 [N/16, K/32, ", kQ41TileBytes, " (Q4_1) or ",
+                kQ80TileBytes, " (Q8_0)]");
+    TORCH_CHECK(x.size(1) % kTileK == 0 && n_features % kTileN == 0 && packed.size(0) == nblocks &&
+                    packed.size(1) == Kpad / kTileK,
+                "block-quantised weights of [", n_features, ", ", x.size(1), "] need K a multiple of 32, N of 16, "
+                "and packed [N/16, K/32, tile bytes]");
+    fmt = packed.size(2) == kQ41TileBytes ? Fmt::kQ4_1 : Fmt::kQ8_0;
+    return nblocks;
+  }
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed must be bf16 tiles or uint8 quantised blocks");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(0) == nblocks &&
                   packed.size(1) == Kpad / kTileK && packed.size(2) == kTileK / 2 && packed.size(3) == kTileN &&
                   packed.size(4) == 2,
               "packed must come from amx_pack_weight (or amx_pack_gate_up) of a weight with x's K and ",
               n_features, " output features");
+  fmt = Fmt::kBf16;
   return nblocks;
 }
 
 // y = x · wᵀ (+ bias), or silu(gate) * up when silu_inter > 0, over all pairs
 // of column blocks split between the threads; with `argmax_out` ([M]) y is
 // not written and each row's greedy column goes there instead.
-void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t nblocks, const uint16_t* bp,
-         torch::Tensor& y, int64_t silu_inter, int64_t* argmax_out = nullptr) {
+void run(const torch::Tensor& x, const torch::Tensor& packed, Fmt fmt, int64_t N, int64_t nblocks,
+         const uint16_t* bp, torch::Tensor& y, int64_t silu_inter, int64_t* argmax_out = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return;
 #if CB_FUSED_X86
@@ -300,7 +442,7 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t
       std::memset(dst, 0, Kpad * 2);
     }
   }
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  const void* wp = packed.data_ptr();
   auto* yp = argmax_out != nullptr ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   // The threads claim runs of up to 8 pairs (~290 KB of SmolLM2's weights)
   // until none is left, at least ~4 runs per thread, instead of a fixed half
@@ -326,7 +468,7 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t
       amp = &am;
     }
     for (int64_t w = t0; w < t1; ++w)
-      run_pairs(xp, wp, bp, yp, M, Mpad, Kpad, N, nblocks, next, chunk, silu_inter, amp);
+      run_pairs(xp, wp, fmt, bp, yp, M, Mpad, Kpad, N, nblocks, next, chunk, silu_inter, amp);
   });
   if (argmax_out == nullptr) return;
   for (int64_t r = 0; r < M; ++r) {
@@ -347,20 +489,22 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t
 
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                          const c10::optional<torch::Tensor>& bias) {
-  const int64_t nblocks = check_amx_args(x, packed, out_features);
+  Fmt fmt;
+  const int64_t nblocks = check_amx_args(x, packed, out_features, fmt);
   const uint16_t* bp = bf16_bias(bias, out_features);
   auto y = torch::empty({x.size(0), out_features}, x.options());
-  run(x, packed, out_features, nblocks, bp, y, 0);
+  run(x, packed, fmt, out_features, nblocks, bp, y, 0);
   return y;
 }
 
 torch::Tensor amx_linear_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                                 const c10::optional<torch::Tensor>& bias) {
-  const int64_t nblocks = check_amx_args(x, packed, out_features);
+  Fmt fmt;
+  const int64_t nblocks = check_amx_args(x, packed, out_features, fmt);
   const uint16_t* bp = bf16_bias(bias, out_features);
   auto out = torch::zeros({x.size(0)}, x.options().dtype(at::kLong));
   torch::Tensor unused;
-  run(x, packed, out_features, nblocks, bp, unused, 0, out.data_ptr<int64_t>());
+  run(x, packed, fmt, out_features, nblocks, bp, unused, 0, out.data_ptr<int64_t>());
   return out;
 }
 
@@ -374,10 +518,29 @@ torch::Tensor amx_pack_gate_up(const torch::Tensor& gate_up) {
 
 torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter) {
   TORCH_CHECK(inter > 0 && inter % kTileN == 0, "inter must be a positive multiple of 16");
-  const int64_t nblocks = check_amx_args(x, packed, 2 * inter);
+  Fmt fmt;
+  const int64_t nblocks = check_amx_args(x, packed, 2 * inter, fmt);
   auto y = torch::empty({x.size(0), inter}, x.options());
-  run(x, packed, 2 * inter, nblocks, nullptr, y, inter);
+  run(x, packed, fmt, 2 * inter, nblocks, nullptr, y, inter);
   return y;
+}
+
+torch::Tensor amx_dequant(const torch::Tensor& packed) {
+  TORCH_CHECK(amx_linear_supported(), "amx_dequant needs an AMX-BF16 CPU");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.is_contiguous() && (packed.size(2) == kQ41TileBytes || packed.size(2) == kQ80TileBytes),
+              "packed must be contiguous uint8 [N/16, K/32, ", kQ41TileBytes, " or ", kQ80TileBytes, "]");
+  auto out = torch::empty({packed.size(0), packed.size(1), kTileK / 2, kTileN, 2}, packed.options().dtype(at::kBFloat16));
+#if CB_FUSED_X86
+  const Fmt fmt = packed.size(2) == kQ41TileBytes ? Fmt::kQ4_1 : Fmt::kQ8_0;
+  const auto* src = packed.data_ptr<uint8_t>();
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t tiles = packed.size(0) * packed.size(1), tb = packed.size(2);
+  at::parallel_for(0, tiles, 64, [&](int64_t t0, int64_t t1) {
+    dequant_tiles(fmt, src + t0 * tb, dst + t0 * kTileElems, t1 - t0);
+  });
+#endif
+  return out;
 }
 
 }  // namespace cbserve_fused

@@ -526,5 +526,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The first index of each row's maximum of amx_linear(x, packed, out_features, bias) (NaN counts as "
         "the maximum, as torch.max), int64 [M], without writing the logits: the greedy LM head. "
         "AMX-BF16 CPUs only (see amx_linear_supported).");
+  m.def("amx_dequant", &cbserve_fused::amx_dequant, py::arg("packed"),
+        "uint8 Q4_1 / Q8_0 blocks [N/16, K/32, 320 | 544] -> the bf16 tiles the AMX kernels expand them to "
+        "(the amx_pack_weight layout). AMX-BF16 CPUs only.");
   m.def("amx_linear_supported", &cbserve_fused::amx_linear_supported);
 }

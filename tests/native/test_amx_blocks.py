@@ -1,0 +1,90 @@
+"""The AMX kernels over GGUF Q4_1 / Q8_0 blocks (executor/gguf_weights.py
+packs them): the expanded tiles and every output must equal, bit for bit,
+those of the bf16 weights the blocks dequantise to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import native._fused as fused
+from executor.gguf_weights import BlockWeight
+
+pytestmark = pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")
+
+
+def _blocks(kind: str, n: int, k: int, seed: int) -> BlockWeight:
+    g = torch.Generator().manual_seed(seed)
+    # Scales over many binades (and minimums of both signs) so that d * q + m
+    # lands on bf16 rounding ties and carries somewhere.
+    d = (torch.rand(n, k // 32, generator=g) * 2.0 ** torch.randint(-14, 2, (n, k // 32), generator=g)).half()
+    if kind == "q4_1":
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        m = (torch.randn(n, k // 32, generator=g) * 2.0 ** torch.randint(-12, 1, (n, k // 32), generator=g)).half()
+        return BlockWeight(kind, q, d, m)
+    q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    return BlockWeight(kind, q, d, None)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (960, 576), (576, 1536)])
+def test_expanded_tiles_equal_the_packed_bf16_weight(kind, n, k):
+    bw = _blocks(kind, n, k, seed=n + k)
+    w = bw.dequantize().bfloat16()  # fp32 d * q (+ m), then RNE: what transformers + .bfloat16() give
+    packed = bw.pack()
+    assert packed.dtype == torch.uint8 and packed.shape == (n // 16, k // 32, 320 if kind == "q4_1" else 544)
+    assert torch.equal(_bits(fused.amx_dequant(packed)), _bits(fused.amx_pack_weight(w)))
+
+
+# Rows: one pass (the tiles expanded just before use: 1..32) and several
+# passes over a run of expanded tiles (33+), with and without bias.
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 64, 100])
+def test_linear_and_argmax_equal_the_bf16_kernel(kind, m):
+    n, k = 1024, 576
+    bw = _blocks(kind, n, k, seed=m)
+    w = bw.dequantize().bfloat16()
+    g = torch.Generator().manual_seed(7 * m)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    packed, tiles = bw.pack(), fused.amx_pack_weight(w)
+    for b in (None, bias):
+        assert torch.equal(_bits(fused.amx_linear(x, packed, n, b)), _bits(fused.amx_linear(x, tiles, n, b)))
+        assert torch.equal(fused.amx_linear_argmax(x, packed, n, b), fused.amx_linear_argmax(x, tiles, n, b))
+
+
+@pytest.mark.parametrize("m", [1, 20, 64])
+def test_silu_mul_over_gate_up_blocks_equals_the_bf16_kernel(m):
+    inter, k = 1536, 576
+    gate, up = _blocks("q4_1", inter, k, seed=1), _blocks("q4_1", inter, k, seed=2)
+    w = torch.cat([gate.dequantize(), up.dequantize()]).bfloat16()
+    # amx_pack_gate_up's row order: gate block j, then up block j.
+    order = torch.arange(2 * inter).view(2, -1, 16).transpose(0, 1).reshape(-1)
+    packed = BlockWeight.cat([gate, up]).rows(order).pack()
+    tiles = fused.amx_pack_gate_up(w)
+    assert torch.equal(_bits(fused.amx_dequant(packed)), _bits(tiles))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    assert torch.equal(_bits(fused.amx_linear_silu_mul(x, packed, inter)),
+                       _bits(fused.amx_linear_silu_mul(x, tiles, inter)))
+
+
+def test_block_arguments_are_checked():
+    bw = _blocks("q4_1", 32, 64, seed=0)
+    packed = bw.pack()
+    x = torch.randn(3, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        fused.amx_linear(torch.randn(3, 40).bfloat16(), packed, 32, None)
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/32"):
+        fused.amx_linear(x, packed, 48, None)  # 48 features: 3 column blocks, packed has 2
+    with pytest.raises(RuntimeError, match="uint8"):
+        fused.amx_linear(x, packed[..., :300].contiguous(), 32, None)
+    with pytest.raises(RuntimeError, match="uint8"):
+        fused.amx_dequant(packed.view(torch.int8))
+    with pytest.raises(ValueError, match="whole tiles"):
+        _blocks("q4_1", 20, 64, seed=0).pack()
+    with pytest.raises(ValueError, match="concatenate"):
+        BlockWeight.cat([bw, _blocks("q8_0", 32, 64, seed=0)])
