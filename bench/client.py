@@ -8,6 +8,7 @@ offsets (all at t=0 for a burst) and at most `concurrency` are in flight.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import time
 from typing import Callable
@@ -83,6 +84,12 @@ async def run_grpc_workload(target: str, workload: Workload, *, concurrency: int
 
         bar = tqdm(total=len(records), desc=desc, unit="req", leave=False)
 
+    # The suite's process has run in-process peers (transformers, torch) before:
+    # leave their objects out of the cyclic collections the client's per-token
+    # garbage triggers during the run (each one would walk them all, on the
+    # cores the server under test is using).
+    gc.collect()
+    gc.freeze()
     async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await channel.channel_ready()
