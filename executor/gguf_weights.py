@@ -70,8 +70,10 @@ class BlockWeight:
 
     def pack(self) -> torch.Tensor:
         """uint8 [N/16, K/32, tile bytes], the layout amx_linear reads: per
-        tile of 16 features x 32 weights, 16 k-pair rows of 16 features, then
-        the 16 scales (and minimums)."""
+        tile of 16 features x 32 weights, the q values (Q4_1: 256 bytes, four
+        groups of [16 features][4 k-pairs], a k-pair's even k in the low
+        nibble; Q8_0: 512 bytes, [16 k-pairs][even k, odd k][16 features]),
+        then the 16 fp16 scales (and the 16 minimums)."""
         n, k = self.shape
         if n % TILE_N or k % BLOCK:
             raise ValueError(f"[{n}, {k}] is not whole tiles of {TILE_N} x {BLOCK}")
