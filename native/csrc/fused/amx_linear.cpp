@@ -236,8 +236,9 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
                       int64_t wp_nb0, Fmt fmt = Fmt::kBf16, const uint8_t* q = nullptr, uint16_t* qbuf = nullptr) {
   constexpr int64_t kAcc = kTileM * kTileN;
   const int64_t kblocks = Kpad / kTileK;
-  const uint16_t* w0 = wp + (nb - wp_nb0) * kblocks * kTileElems;  // wp holds column blocks from wp_nb0
-  const uint16_t* w1 = w0 + kblocks * kTileElems;
+  // wp (bf16 tiles, holding column blocks from wp_nb0) is null with `q`.
+  const uint16_t* w0 = q == nullptr ? wp + (nb - wp_nb0) * kblocks * kTileElems : nullptr;
+  const uint16_t* w1 = q == nullptr ? w0 + kblocks * kTileElems : nullptr;
   // With `q` (a single pass over block-quantised weights): each k-block's two
   // tiles are expanded into `qbuf` (L1, alternating halves) just before use.
   const int64_t tb = q != nullptr ? tile_bytes(fmt) : 0;
@@ -262,8 +263,10 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
       // iteration ago): the tile loads never wait for stores still in flight.
       const int64_t nk = kb + 1;
       if (nk < kblocks) {
-        const uint8_t* a0 = q0 + (nk + 2) * tb;
-        const uint8_t* a1 = q1 + (nk + 2) * tb;
+        // Three k-blocks ahead, past the block's end into the next pair's
+        // (a prefetch never faults; integer addresses, no out-of-range pointers).
+        const uintptr_t a0 = reinterpret_cast<uintptr_t>(q0) + (nk + 2) * tb;
+        const uintptr_t a1 = reinterpret_cast<uintptr_t>(q1) + (nk + 2) * tb;
         for (int64_t l = 0; l < tb; l += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(a0 + l), _MM_HINT_T0);
           if (two) _mm_prefetch(reinterpret_cast<const char*>(a1 + l), _MM_HINT_T0);
@@ -272,15 +275,15 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
         dequant_tile(fmt, q0 + nk * tb, nbuf, inter);
         if (two) dequant_tile(fmt, q1 + nk * tb, nbuf + kTileElems, inter);
       }
-      const uint16_t* b = qbuf + (kb & 1) * 2 * kTileElems;
-      w0 = b - kb * kTileElems;
-      w1 = b + kTileElems - kb * kTileElems;
     }
+    // This k-block's two weight tiles.
+    const uint16_t* t0 = q0 != nullptr ? qbuf + (kb & 1) * 2 * kTileElems : w0 + kb * kTileElems;
+    const uint16_t* t1 = q0 != nullptr ? t0 + kTileElems : w1 + kb * kTileElems;
     _tile_loadd(4, x0 + kb * kTileK, xstride);
-    _tile_loadd(6, w0 + kb * kTileElems, 64);
+    _tile_loadd(6, t0, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (two) {
-      _tile_loadd(7, w1 + kb * kTileElems, 64);
+      _tile_loadd(7, t1, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (two_m) {
@@ -304,7 +307,8 @@ CB_AMX void dequant_tiles(Fmt fmt, const uint8_t* src, uint16_t* dst, int64_t co
   const __m512i inter = pair_interleave();
   const int64_t tb = tile_bytes(fmt);
   for (int64_t t = 0; t < count; ++t) {
-    for (int64_t l = 0; l < tb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(src + (t + 4) * tb + l), _MM_HINT_T0);
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(src) + (t + 4) * tb;  // may pass the end: a hint only
+    for (int64_t l = 0; l < tb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
     dequant_tile(fmt, src + t * tb, dst + t * kTileElems, inter);
   }
 }
