@@ -155,8 +155,6 @@ def attach_memory_roof(roof: dict, gb_s: float, context: int, cfg: dict = SMOLLM
     roof["context"] = context
     for b in roof["bounds"]:
         wb = (weight_bytes or {}).get(b["dtype"])
-        if wb is not None:
-            b["weight_mb"] = wb / 1e6
         nbytes = step_bytes(roof["batch"], context, b["dtype"], cfg, wb)
         b["step_mb"] = nbytes / 1e6
         b["memory_bound_tok_s"] = roof["batch"] / (nbytes / (gb_s * 1e9))

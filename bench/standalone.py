@@ -83,7 +83,7 @@ def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_to
     measure_runner(runner, min(batches), prompt_len, min(decode_tokens, 4), seed)  # warm-up
     rows = [measure_runner(runner, b, prompt_len, decode_tokens, seed) for b in batches]
     return {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows,
-            "weight_bytes": decode_weight_bytes(runner), "weight_kernels": weight_kernels(runner)}
+            "weight_bytes": decode_weight_bytes(runner)}
 
 
 def _decode_weights(runner: ModelRunner) -> list[torch.Tensor]:
@@ -107,10 +107,3 @@ def decode_weight_bytes(runner: ModelRunner) -> int | None:
     ws = _decode_weights(runner)
     return sum(w.numel() * w.element_size() for w in ws) or None
 
-
-def weight_kernels(runner: ModelRunner) -> list[str]:
-    lean = runner.lean
-    if lean is None:
-        return []
-    layer = lean.layers[0]
-    return sorted({layer.qkv.__self__.kernel, layer.act.__self__.kernel, runner.model.lm_head.kernel})

@@ -22,18 +22,22 @@ ROOFLINE_SHARE = 0.60
 ROUTER_SHARE = 0.05
 
 
-def _tok_s(runs: list[dict], system: str, cap: int, dtype: str) -> float | None:
+def _summary(runs: list[dict], system: str, cap: int, dtype: str) -> dict | None:
+    """The summary of `system`'s run at `cap` in `dtype`, None if absent or failed."""
     for r in runs:
         if r["system"] == system and int(r["cap"]) == cap and r.get("dtype") == dtype and not r.get("error"):
-            return r["summary"]["output_tokens_per_s"]
+            return r["summary"]
     return None
+
+
+def _tok_s(runs: list[dict], system: str, cap: int, dtype: str) -> float | None:
+    s = _summary(runs, system, cap, dtype)
+    return None if s is None else s["output_tokens_per_s"]
 
 
 def _itl_p50(runs: list[dict], system: str, cap: int, dtype: str) -> float | None:
-    for r in runs:
-        if r["system"] == system and int(r["cap"]) == cap and r.get("dtype") == dtype and not r.get("error"):
-            return r["summary"]["itl_s"]["p50"]
-    return None
+    s = _summary(runs, system, cap, dtype)
+    return None if s is None else s["itl_s"]["p50"]
 
 
 def _bound(results: dict, dtype: str) -> dict:

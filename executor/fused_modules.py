@@ -78,9 +78,10 @@ class FusedMLP(torch.nn.Module):
         or "<gate_up kernel> + silu_and_mul"."""
         if self.gate_up is not None:
             return f"{self.gate_up.kernel} + silu_and_mul"
-        p = self.packed_gate_up
-        return "amx_linear_silu_mul" + ({320: "-q4_1", 544: "-q8_0"}.get(p.shape[-1], "")
-                                         if p.dtype == torch.uint8 else "")
+        from executor.gguf_weights import packed_kind
+
+        kind = packed_kind(self.packed_gate_up)
+        return "amx_linear_silu_mul" if kind is None else f"amx_linear_silu_mul-{kind}"
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), [..., I]."""

@@ -90,6 +90,15 @@ class BlockWeight:
         return torch.cat([qt] + st, dim=2).contiguous()
 
 
+# Bytes of one packed tile (BlockWeight.pack) -> the block kind it holds.
+_TILE_KIND = {320: "q4_1", 544: "q8_0"}
+
+
+def packed_kind(packed: torch.Tensor) -> str | None:
+    """"q4_1" / "q8_0" for packed GGUF blocks, None for bf16 tiles."""
+    return _TILE_KIND.get(packed.shape[-1]) if packed.dtype == torch.uint8 else None
+
+
 def _blocks(tensor) -> BlockWeight | None:
     """A gguf ReaderTensor of type Q4_1 or Q8_0 as a BlockWeight, else None."""
     kind = tensor.tensor_type.name.lower()

@@ -85,8 +85,10 @@ class PackedLinear(torch.nn.Module):
         """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
         blocks), "skinny" (+ oneDNN) or "onednn"."""
         if self._amx is not None:
-            return {320: "amx-q4_1", 544: "amx-q8_0"}.get(self.packed.shape[-1], "amx") \
-                if self.packed.dtype == torch.uint8 else "amx"
+            from executor.gguf_weights import packed_kind
+
+            kind = packed_kind(self.packed)
+            return "amx" if kind is None else f"amx-{kind}"
         return "skinny" if self._skinny is not None else "onednn"
 
     def kernel_for(self, rows: int) -> str:

