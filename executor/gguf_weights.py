@@ -69,22 +69,29 @@ class BlockWeight:
         return w.reshape(n, k)
 
     def pack(self) -> torch.Tensor:
-        """uint8 [N/16, K/32, tile bytes], the layout amx_linear reads: per
-        tile of 16 features x 32 weights, the q values (Q4_1: 256 bytes, four
-        groups of [16 features][4 k-pairs], a k-pair's even k in the low
-        nibble; Q8_0: 512 bytes, [16 k-pairs][even k, odd k][16 features]),
-        then the 16 fp16 scales (and the 16 minimums)."""
+        """uint8 [N/16, K/32, tile bytes], the layout amx_linear reads. A bf16
+        tile row (one k-pair) is 32 words, word w = parity w % 2 of feature
+        w / 2; here its q values sit in two 16-lane halves, words 0..15
+        (features 0..7) and 16..31 (features 8..15), so the kernel converts
+        the two to bf16 in tile order with one instruction. Per tile: the q
+        values (Q4_1: 256 bytes, four groups of [16 lanes][4 k-pairs], words
+        0..15 in the low nibble, 16..31 in the high; Q8_0: 512 bytes,
+        [16 k-pairs][2 halves][16 lanes]), then the 16 fp16 scales (and the
+        16 minimums), one per feature."""
         n, k = self.shape
         if n % TILE_N or k % BLOCK:
             raise ValueError(f"[{n}, {k}] is not whole tiles of {TILE_N} x {BLOCK}")
         nb, kb = n // TILE_N, k // BLOCK
+        half = TILE_N // 2
+        # [nb, 2 halves, 8 features, kb, 16 k-pairs, 2 parities] -> lanes (feature, parity) per half
+        q = self.q.view(torch.uint8).view(nb, 2, half, kb, BLOCK // 2, 2).permute(0, 3, 4, 1, 2, 5)
+        q = q.reshape(nb, kb, BLOCK // 2, 2, TILE_N)  # [nb, kb, k-pair, half, lane]
         if self.kind == "q4_1":
-            pairs = self.q[:, 0::2] | (self.q[:, 1::2] << 4)  # [N, K/2]: low nibble even k
-            # [4 groups][16 n][4 k-pairs]: one 32-bit lane per feature holds four k-pair rows.
-            qt = pairs.view(nb, TILE_N, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(nb, kb, -1)
+            rows = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, kb, 16 k-pairs, 16 lanes]
+            # k-pair 4g + r in byte r of lane j of group g.
+            qt = rows.view(nb, kb, 4, 4, TILE_N).transpose(3, 4).reshape(nb, kb, -1)
         else:
-            qt = self.q.view(torch.uint8).view(nb, TILE_N, kb, BLOCK // 2, 2).permute(0, 2, 3, 4, 1)
-            qt = qt.reshape(nb, kb, -1)  # [16 k-pairs][even k, odd k][16 n]
+            qt = q.reshape(nb, kb, -1)
         scales = [self.d] + ([] if self.m is None else [self.m])
         st = [s.view(nb, TILE_N, kb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in scales]
         return torch.cat([qt] + st, dim=2).contiguous()

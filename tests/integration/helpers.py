@@ -23,14 +23,21 @@ def stub(channel) -> gpb_grpc.GenerationStub:
 
 
 def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
-    """Polls metrics until nothing runs or waits and no KV block is held."""
+    """Polls metrics until nothing runs, waits or sits swapped out and no KV
+    block (device or host) is held. A request that ends while others are
+    swapped out is a legitimate in-between state (running 0, swapped > 0 until
+    the next iteration swaps them back in), so swapped is part of idle: one
+    that stays swapped out makes this time out."""
     end = time.monotonic() + timeout
     m = {}
     while time.monotonic() < end:
         m = server.metrics()
         if (m.get("cbserve_num_requests_running") == 0 and m.get("cbserve_num_requests_waiting") == 0
-                and m.get("cbserve_kv_cache_usage_ratio") == 0):
+                and m.get("cbserve_num_requests_swapped", 0) == 0
+                and m.get("cbserve_kv_cache_usage_ratio") == 0 and m.get("cbserve_swap_usage_ratio", 0) == 0):
             return m
         time.sleep(0.1)
     raise AssertionError(f"server not idle: running={m.get('cbserve_num_requests_running')} "
-                         f"waiting={m.get('cbserve_num_requests_waiting')} kv={m.get('cbserve_kv_cache_usage_ratio')}")
+                         f"waiting={m.get('cbserve_num_requests_waiting')} "
+                         f"swapped={m.get('cbserve_num_requests_swapped')} kv={m.get('cbserve_kv_cache_usage_ratio')} "
+                         f"swap={m.get('cbserve_swap_usage_ratio')}")

@@ -70,8 +70,8 @@ constexpr int64_t kTileElems = kTileK * kTileN;  // 512 bf16 = 1 KB
 
 // Packed weight formats (amx_pack_weight; Q4_1 / Q8_0 blocks packed by executor/gguf_weights.py).
 enum class Fmt { kBf16, kQ4_1, kQ8_0 };
-constexpr int64_t kQ41TileBytes = 320;  // q [4][16 n][4 k-pairs] nibbles (low: even k), d [16], m [16] fp16
-constexpr int64_t kQ80TileBytes = 544;  // q [16 k-pairs][2][16 n] int8 (even k, then odd k), d [16] fp16
+constexpr int64_t kQ41TileBytes = 320;  // q [4][16 lanes][4 k-pairs] nibbles (low: features 0-7), d [16], m [16] fp16
+constexpr int64_t kQ80TileBytes = 544;  // q [16 k-pairs][2 halves][16 lanes] int8, d [16] fp16
 
 int64_t tile_bytes(Fmt f) { return f == Fmt::kQ4_1 ? kQ41TileBytes : kQ80TileBytes; }
 
@@ -178,30 +178,35 @@ CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, i
   }
 }
 
-// Word w of a tile row holds k-parity (w % 2) of feature w / 2: from words
-// [16 even-k values | 16 odd-k values] of one k-pair row.
-alignas(64) constexpr uint16_t kPairInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-CB_AMX inline __m512i pair_interleave() { return _mm512_load_si512(kPairInterleave); }
+// Word w of a tile row holds k-parity (w % 2) of feature w / 2. The packed
+// blocks keep the q values of a row's words 0..15 (features 0..7) and 16..31
+// (features 8..15) in two vectors of 16 lanes, so one vcvtne2ps2bf16 of the
+// two gives the row in tile order; the scales, stored once per feature, are
+// spread to those lanes once per tile.
+alignas(64) constexpr int32_t kLowFeatures[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+alignas(64) constexpr int32_t kHighFeatures[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
 
 // One tile of bf16 weights [16 k-pairs][16 n][2] from its Q4_1 / Q8_0 block
 // form: d * q (+ m) in fp32, then bf16 RNE, as gguf-py and a bf16 cast round
 // them. d * q is exact in fp32 (an 11-bit fp16 significand times a 4- or
 // 8-bit integer), so one FMA rounds d * q + m exactly as a product then a sum do.
-CB_AMX void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst, __m512i inter) {
+CB_AMX void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst) {
+  const __m512i lo = _mm512_load_si512(kLowFeatures);
+  const __m512i hi = _mm512_load_si512(kHighFeatures);
   if (fmt == Fmt::kQ4_1) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 288)));
+    const __m512 dl = _mm512_permutexvar_ps(lo, d), dh = _mm512_permutexvar_ps(hi, d);
+    const __m512 ml = _mm512_permutexvar_ps(lo, m), mh = _mm512_permutexvar_ps(hi, m);
     // q as fp32 by table lookup: vpermps reads only the low 4 bits of each index.
     const __m512 q16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int g = 0; g < 4; ++g) {  // dword n of group g: the bytes of rows 4g .. 4g + 3 for feature n
+    for (int g = 0; g < 4; ++g) {  // lane j of group g: byte r = row 4g + r (low nibble: words 0..15)
       const __m512i v = _mm512_loadu_si512(src + 64 * g);
-#define CB_Q4_ROW(r)                                                                                       \
-  do {                                                                                                     \
-    const __m512 e = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r)), q16), d, m);     \
-    const __m512 o = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r) + 4), q16), d, m); \
-    const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e));                               \
-    _mm512_storeu_si512(dst + 32 * (4 * g + (r)), _mm512_permutexvar_epi16(inter, w));                    \
+#define CB_Q4_ROW(r)                                                                                          \
+  do {                                                                                                        \
+    const __m512 a = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r)), q16), dl, ml);      \
+    const __m512 b = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r) + 4), q16), dh, mh);  \
+    _mm512_storeu_si512(dst + 32 * (4 * g + (r)), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));      \
   } while (0)
       CB_Q4_ROW(0);
       CB_Q4_ROW(1);
@@ -212,12 +217,12 @@ CB_AMX void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst, __m512i int
     return;
   }
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 512)));
-  for (int j = 0; j < 16; ++j) {
+  const __m512 dl = _mm512_permutexvar_ps(lo, d), dh = _mm512_permutexvar_ps(hi, d);
+  for (int j = 0; j < 16; ++j) {  // row j: 16 bytes for words 0..15, then 16 for words 16..31
     const __m128i* q = reinterpret_cast<const __m128i*>(src + 32 * j);
-    const __m512 e = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
-    const __m512 o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
-    const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e));
-    _mm512_storeu_si512(dst + 32 * j, _mm512_permutexvar_epi16(inter, w));
+    const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dl);
+    const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dh);
+    _mm512_storeu_si512(dst + 32 * j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
   }
 }
 
@@ -244,14 +249,13 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
   const int64_t tb = q != nullptr ? tile_bytes(fmt) : 0;
   const uint8_t* q0 = q != nullptr ? q + nb * kblocks * tb : nullptr;
   const uint8_t* q1 = q0 + kblocks * tb;
-  const __m512i inter = pair_interleave();
   const int64_t xstride = Kpad * 2;
   const bool two_m = m0 + kTileM < Mpad;
   const uint16_t* x0 = xp + m0 * Kpad;
   const uint16_t* x1 = x0 + kTileM * Kpad;
   if (q0 != nullptr) {
-    dequant_tile(fmt, q0, qbuf, inter);
-    if (two) dequant_tile(fmt, q1, qbuf + kTileElems, inter);
+    dequant_tile(fmt, q0, qbuf);
+    if (two) dequant_tile(fmt, q1, qbuf + kTileElems);
   }
   _tile_zero(0);
   _tile_zero(1);
@@ -272,8 +276,8 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
           if (two) _mm_prefetch(reinterpret_cast<const char*>(a1 + l), _MM_HINT_T0);
         }
         uint16_t* nbuf = qbuf + (nk & 1) * 2 * kTileElems;
-        dequant_tile(fmt, q0 + nk * tb, nbuf, inter);
-        if (two) dequant_tile(fmt, q1 + nk * tb, nbuf + kTileElems, inter);
+        dequant_tile(fmt, q0 + nk * tb, nbuf);
+        if (two) dequant_tile(fmt, q1 + nk * tb, nbuf + kTileElems);
       }
     }
     // This k-block's two weight tiles.
@@ -304,12 +308,11 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
 
 // `count` consecutive tiles of block-quantised weights -> bf16 tiles.
 CB_AMX void dequant_tiles(Fmt fmt, const uint8_t* src, uint16_t* dst, int64_t count) {
-  const __m512i inter = pair_interleave();
   const int64_t tb = tile_bytes(fmt);
   for (int64_t t = 0; t < count; ++t) {
     const uintptr_t ahead = reinterpret_cast<uintptr_t>(src) + (t + 4) * tb;  // may pass the end: a hint only
     for (int64_t l = 0; l < tb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
-    dequant_tile(fmt, src + t * tb, dst + t * kTileElems, inter);
+    dequant_tile(fmt, src + t * tb, dst + t * kTileElems);
   }
 }
 
