@@ -187,6 +187,18 @@ def attach(model: torch.nn.Module, gguf_path: str) -> int:
     return n
 
 
+def release(model: torch.nn.Module) -> int:
+    """Drops every module's `cbserve_blocks` once the kernels' packed copies
+    exist (their q values take a byte a weight: ~135 MB for SmolLM2);
+    returns how many were dropped."""
+    n = 0
+    for mod in model.modules():
+        if "cbserve_blocks" in vars(mod):
+            del mod.cbserve_blocks
+            n += 1
+    return n
+
+
 def blocks_of(*linears: torch.nn.Module) -> BlockWeight | None:
     """The blocks of these modules' weights stacked by rows (as torch.cat of
     their weights), or None unless every one has blocks of one kind."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import sys
 
@@ -73,13 +75,29 @@ def main(argv: list[str] | None = None) -> int:
     # ms on this machine: one step stalled by that much whenever it ran).
     gc.collect()
     gc.freeze()
-    _LOGGER.info("executor ready", frozen_objects=gc.get_freeze_count(),
+    _LOGGER.info("executor ready", frozen_objects=gc.get_freeze_count(), rss_mb=_trim_heap(),
                  listen=args.listen, model=source.name,
                  dtype=str(dtype).removeprefix("torch."), device=str(device), num_blocks=num_blocks,
                  block_size=cache.block_size, backend=args.attention_backend,
                  threads=torch.get_num_threads())
     wait_forever(server, health, service.worker)
     return 0
+
+
+def _trim_heap() -> int | None:
+    """Hands the heap's free pages back to the OS (glibc malloc_trim) and
+    returns the resident set in MB. Loading leaves the GGUF reader's and
+    transformers' temporaries freed but resident (SmolLM2 bf16 with a
+    16-block cache: 876 -> 682 MB)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            return int(fh.read().split("VmRSS:")[1].split()[0]) // 1024
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _refused(exc: Exception) -> int:

@@ -71,6 +71,10 @@ class ModelRunner:
             from executor import fast_forward
 
             self.lean = fast_forward.build(model)
+        if prepack:  # the blocks live on in the packed weights (and the lean forward's fused q|k|v)
+            from executor import gguf_weights
+
+            gguf_weights.release(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                                       block_size, self.dtype)

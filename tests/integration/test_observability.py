@@ -109,6 +109,8 @@ def test_startup_heap_is_frozen(load):
     ready = {obj["event"]: obj for obj in _json_lines(server.log())
              if obj.get("event") in ("router listening", "executor ready")}
     assert ready["executor ready"]["frozen_objects"] > 50_000, ready
+    # After handing freed heap pages back, the executor logs its resident set.
+    assert 10 < ready["executor ready"]["rss_mb"] < 64_000, ready
     assert ready["router listening"]["frozen_objects"] > 10_000, ready
 
 
