@@ -1,8 +1,11 @@
 """Linear layers at decode and prefill row counts: oneDNN's prepacked bf16
 kernel, plain `F.linear`, native `skinny_linear` and native `amx_linear`, over
 all of SmolLM2-135M's projections (30 layers of fused q|k|v, o, fused gate|up
-and down, plus the tied LM head). Every weight is a distinct tensor, so, as in
-a model step, the weights stream from memory; GB/s = weight bytes / time.
+and down, plus the tied LM head), and `amx_linear` over the same shapes as
+GGUF blocks (Q4_1 projections, Q8_0 LM head: SmolLM2's GGUF, what the
+executor serves it from). Every weight is a distinct tensor, so, as in a model
+step, the weights stream from memory; GB/s = bytes the fastest kernel's
+weights take / time.
 
 Part of `python -m bench.kernels` (docs/kernels.md).
 """
@@ -31,21 +34,40 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def _kernels(weights):
-    """name -> (max rows or None, fn(x_by_k)) for the kernels this CPU runs."""
+def _random_blocks(n: int, k: int, kind: str, g: torch.Generator):
+    """Packed GGUF blocks of an [n, k] weight with random q values and scales."""
+    from executor.gguf_weights import BLOCK, BlockWeight
+
+    d = (torch.rand(n, k // BLOCK, generator=g) * 0.01).half()
+    if kind == "q4_1":
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        return BlockWeight(kind, q, d, (-8 * d.float()).half()).pack()
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    return BlockWeight(kind, q, d, None).pack()
+
+
+def _kernels(weights, g: torch.Generator):
+    """name -> (max rows or None, fn(x_by_k), weight bytes) for the kernels this CPU runs."""
     import native._fused as fused
 
     out = {}
+    bf16_bytes = sum(w.numel() * w.element_size() for w in weights)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
     out["oneDNN prepacked"] = (None, lambda xs: [
-        torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)])
-    out["F.linear"] = (None, lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights])
+        torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)],
+        bf16_bytes)
+    out["F.linear"] = (None, lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], bf16_bytes)
     if fused.skinny_linear_supported():
-        out["skinny_linear"] = (SKINNY_ROWS, lambda xs: [fused.skinny_linear(xs[w.shape[1]], w) for w in weights])
+        out["skinny_linear"] = (SKINNY_ROWS, lambda xs: [fused.skinny_linear(xs[w.shape[1]], w) for w in weights],
+                                bf16_bytes)
     if fused.amx_linear_supported():
         amx = [fused.amx_pack_weight(w) for w in weights]
         out["amx_linear"] = (None, lambda xs: [
-            fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, amx)])
+            fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, amx)], bf16_bytes)
+        blocks = [_random_blocks(*w.shape, "q8_0" if tuple(w.shape) == LM_HEAD else "q4_1", g) for w in weights]
+        out["amx_linear GGUF blocks"] = (None, lambda xs: [
+            fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, blocks)],
+            sum(p.numel() for p in blocks))
     return out
 
 
@@ -57,16 +79,16 @@ def run(reps: int = 5, rows=ROWS) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS + [LM_HEAD]
     weights = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in shapes]
-    kernels = _kernels(weights)
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    kernels = _kernels(weights, g)
     probe = PackedLinear(torch.nn.Linear(64, 16, bias=False, dtype=torch.bfloat16))
     out = []
     with torch.inference_mode():
         for m in rows:
             xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {k for _, k in shapes}}
             ms = {name: _best(lambda: fn(xs), reps if m <= 128 else 2) * 1e3
-                  for name, (limit, fn) in kernels.items() if limit is None or m <= limit}
-            out.append({"rows": m, "ms": ms, "weight_mb": nbytes / 1e6, "packed_linear": probe.kernel_for(m)})
+                  for name, (limit, fn, _) in kernels.items() if limit is None or m <= limit}
+            out.append({"rows": m, "ms": ms, "weight_mb": {name: b / 1e6 for name, (_, _, b) in kernels.items()},
+                        "packed_linear": probe.kernel_for(m)})
     return out
 
 
@@ -80,8 +102,12 @@ def table(rows: list[dict]) -> str:
         best = min(r["ms"], key=r["ms"].get)
         cells = [f"{r['ms'][n]:.2f}" if n in r["ms"] else "-" for n in names]
         lines.append(f"| {r['rows']} | " + " | ".join(cells) +
-                     f" | {r['weight_mb'] / r['ms'][best]:.1f} | {best} | {r['packed_linear']} |")
+                     f" | {r['weight_mb'][best] / r['ms'][best]:.1f} | {best} | {r['packed_linear']} |")
+    mb = rows[0]["weight_mb"]
     lines.append("")
-    lines.append(f"All projections of one model step ({rows[0]['weight_mb']:.0f} MB of bf16 weights), best of "
-                 "the timed loops. '-': not timed (skinny_linear is a decode kernel).")
+    lines.append(f"All projections of one model step ({mb['F.linear']:.0f} MB of bf16 weights"
+                 + (f", {mb['amx_linear GGUF blocks']:.0f} MB as GGUF blocks" if "amx_linear GGUF blocks" in mb else "")
+                 + "), best of the timed loops. '-': not timed (skinny_linear is a decode kernel). "
+                 "'PackedLinear runs': amx_linear is its blocks variant where the model's GGUF blocks expand "
+                 "exactly to the loaded weights (SmolLM2), its bf16-tile variant otherwise.")
     return "\n".join(lines)

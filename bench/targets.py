@@ -170,8 +170,9 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
                      "a change of numerics cbserve does not make by default).")
         else:
             bound = ("Small batches are no longer memory-bound: with the weights streamed as 4-bit GGUF blocks, "
-                     "expanding them to bf16 tiles (about 11 vector instructions per 32 weights, exact to the bf16 "
-                     "model) is the larger cost; what would raise these ratios is cheaper expansion, and at "
+                     "expanding them to bf16 tiles (per 32 weights two shifts, two table lookups, two FMAs, "
+                     "one conversion and a store, exact to the bf16 model) is the larger cost; what would raise "
+                     "these ratios is cheaper expansion (or int8 arithmetic, which changes the numerics), and at "
                      "batch 64 the overlap above.")
         out.append(
             f"A batch-1 step reads {one['step_mb']:.0f} MB (weights as stored, plus K/V) in {one['step_ms']:.1f} ms "
