@@ -154,10 +154,14 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
             f"arithmetic with the weight stream (tried here: one pass over all 64 rows, software prefetch of the "
             f"next run — neither was faster). In the server the router and the load generator use "
             f"{side:.1f} ms of CPU per {1e3 * (ov.get('iteration_mean_s') or math.nan):.0f} ms iteration on the "
-            f"same two cores, time the executor's two threads lose (the overhead table). Profiled with perf on "
-            f"this version, the router's CPU is about 40 % Python, 30 % kernel thread switches and socket calls "
-            f"and 15 % gRPC's C core: one gRPC message per streamed token and request. Where the router and the "
-            f"clients have cores of their own, the served rate approaches the alone one.")
+            f"same two cores (the overhead table), but that CPU is not the whole gap: with both at SCHED_IDLE "
+            f"(they run only where a core would idle) the in-server forward took as long (batch-64 decode at "
+            f"contexts 200-300: 48-50 ms a step either way). Part of it is where the blocks sit: the router hands "
+            f"them out from anywhere in the pool, and alone a step over blocks scattered across 2,912 is ~10 % "
+            f"slower than over consecutive ones even on huge pages (34.5 against 31.1 ms at context 152; 4 KB "
+            f"pages: 36.9 against 34.2). The rest was not located in this version. Profiled with perf, the "
+            f"router's CPU is about 40 % Python, 30 % kernel thread switches and socket calls and 15 % gRPC's C "
+            f"core: one gRPC message per streamed token and request.")
     if one and one.get("memory_roof_share") is not None and big:
         mb_runs = [r for r in results.get("runs", []) if r["system"] == "cbserve-fcfs" and r.get("dtype") == dtype
                    and not r.get("error")]
