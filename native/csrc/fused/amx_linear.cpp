@@ -30,7 +30,8 @@
 // and a bf16 cast do, so the tiles are bit-identical to amx_pack_weight of
 // the bf16 model's weights and so are the outputs. SmolLM2 at one row: its 121
 // projections 9.7 against 11.4 ms a step (timed per call in the lean forward),
-// a whole decode step 10.4-11.0 against 12.5-12.8 ms.
+// a whole decode step 10.4-11.0 against 12.5-12.8 ms; 8.8-9.4 ms since the
+// blocks are packed so that a tile row converts in tile order (dequant_tile).
 //
 // amx_linear_silu_mul is the MLP's gate|up projection on the same loop with
 // a different epilogue: amx_pack_gate_up interleaves the gate and up rows in
@@ -74,6 +75,16 @@ constexpr int64_t kQ41TileBytes = 320;  // q [4][16 lanes][4 k-pairs] nibbles (l
 constexpr int64_t kQ80TileBytes = 544;  // q [16 k-pairs][2 halves][16 lanes] int8, d [16] fp16
 
 int64_t tile_bytes(Fmt f) { return f == Fmt::kQ4_1 ? kQ41TileBytes : kQ80TileBytes; }
+
+// The format of uint8 blocks packed by executor/gguf_weights.py, from the
+// size of their last dimension (one tile's bytes); checks the layout.
+Fmt block_fmt(const torch::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  (packed.size(2) == kQ41TileBytes || packed.size(2) == kQ80TileBytes),
+              "block-quantised weights must be uint8 [N/16, K/32, ", kQ41TileBytes, " (Q4_1) or ", kQ80TileBytes,
+              " (Q8_0)]");
+  return packed.size(2) == kQ41TileBytes ? Fmt::kQ4_1 : Fmt::kQ8_0;
+}
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -407,14 +418,11 @@ int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int6
   const int64_t nblocks = round_up(n_features, kTileN) / kTileN;
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
   if (packed.scalar_type() == at::kByte) {
-    TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kQ41TileBytes || packed.size(2) == kQ80TileBytes),
-                "block-quantised weights must be uint8 [N/16, K/32, ", kQ41TileBytes, " (Q4_1) or ",
-                kQ80TileBytes, " (Q8_0)]");
+    fmt = block_fmt(packed);
     TORCH_CHECK(x.size(1) % kTileK == 0 && n_features % kTileN == 0 && packed.size(0) == nblocks &&
                     packed.size(1) == Kpad / kTileK,
                 "block-quantised weights of [", n_features, ", ", x.size(1), "] need K a multiple of 32, N of 16, "
                 "and packed [N/16, K/32, tile bytes]");
-    fmt = packed.size(2) == kQ41TileBytes ? Fmt::kQ4_1 : Fmt::kQ8_0;
     return nblocks;
   }
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed must be bf16 tiles or uint8 quantised blocks");
@@ -534,12 +542,10 @@ torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& p
 
 torch::Tensor amx_dequant(const torch::Tensor& packed) {
   TORCH_CHECK(amx_linear_supported(), "amx_dequant needs an AMX-BF16 CPU");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
-                  packed.is_contiguous() && (packed.size(2) == kQ41TileBytes || packed.size(2) == kQ80TileBytes),
-              "packed must be contiguous uint8 [N/16, K/32, ", kQ41TileBytes, " or ", kQ80TileBytes, "]");
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "packed must be a contiguous CPU tensor");
+  const Fmt fmt = block_fmt(packed);
   auto out = torch::empty({packed.size(0), packed.size(1), kTileK / 2, kTileN, 2}, packed.options().dtype(at::kBFloat16));
 #if CB_FUSED_X86
-  const Fmt fmt = packed.size(2) == kQ41TileBytes ? Fmt::kQ4_1 : Fmt::kQ8_0;
   const auto* src = packed.data_ptr<uint8_t>();
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t tiles = packed.size(0) * packed.size(1), tb = packed.size(2);
