@@ -94,7 +94,8 @@ def _check_fits(device: str, device_bytes: int, host_bytes: int) -> None:
 def cpu_pool(count: int, dims: tuple[int, ...], dtype: torch.dtype) -> tuple[list[torch.Tensor], mmap.mmap | None]:
     """`count` zeroed CPU tensors of shape `dims` in one private anonymous
     mapping marked for transparent huge pages (where the kernel offers them),
-    and the mapping, which must outlive them.
+    and the mapping (None for an empty pool; the tensors hold a reference to
+    it, so it lives as long as they do).
 
     The router hands out blocks from anywhere in the pool, so a sequence's
     blocks end up scattered over it (~1 GB for SmolLM2 by default). With 4 KB
@@ -132,10 +133,9 @@ class KVCache:
         _check_fits(device, num_blocks * shape.bytes_per_block, num_swap_blocks * shape.bytes_per_block)
         try:
             if torch.device(device).type == "cpu":
-                pool, self._mapping = cpu_pool(2 * shape.num_layers, dims, shape.dtype)
+                pool, _ = cpu_pool(2 * shape.num_layers, dims, shape.dtype)
                 self.key, self.value = pool[:shape.num_layers], pool[shape.num_layers:]
             else:
-                self._mapping = None
                 self.key = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
                 self.value = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
             self.host_key = [torch.zeros(host, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)]
