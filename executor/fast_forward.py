@@ -96,6 +96,11 @@ class LeanLlamaForward:
             for i, layer in enumerate(inner.layers)
         ]
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules whose methods the layers call (the fused q|k|v
+        projections are not part of the model)."""
+        return [f.__self__ for L in self.layers for f in (L.qkv, L.o_proj, L.act, L.down)]
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, H]."""
         residual = self.embed(input_ids)

@@ -77,7 +77,11 @@ class BlockWeight:
         values (Q4_1: 256 bytes, four groups of [16 lanes][4 k-pairs], words
         0..15 in the low nibble, 16..31 in the high; Q8_0: 512 bytes,
         [16 k-pairs][2 halves][16 lanes]), then the 16 fp16 scales (and the
-        16 minimums), one per feature."""
+        16 minimums), one per feature. The tiles are stored pair-major:
+        column blocks 2p and 2p + 1 alternate k-block by k-block (an odd
+        last block follows alone), so the kernel's sweep over a pair is one
+        forward stream; the tensor's [N/16, K/32] shape counts the tiles but
+        does not index them (amx_dequant gives them back in [N/16, K/32] order)."""
         n, k = self.shape
         if n % TILE_N or k % BLOCK:
             raise ValueError(f"[{n}, {k}] is not whole tiles of {TILE_N} x {BLOCK}")
@@ -94,7 +98,10 @@ class BlockWeight:
             qt = q.reshape(nb, kb, -1)
         scales = [self.d] + ([] if self.m is None else [self.m])
         st = [s.view(nb, TILE_N, kb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in scales]
-        return torch.cat([qt] + st, dim=2).contiguous()
+        tiles = torch.cat([qt] + st, dim=2)  # [nb, kb, tile bytes]
+        full, tb = nb - nb % 2, tiles.shape[2]
+        pairs = tiles[:full].view(full // 2, 2, kb, tb).transpose(1, 2).reshape(full, kb, tb)
+        return torch.cat([pairs, tiles[full:]]).contiguous()
 
 
 # Bytes of one packed tile (BlockWeight.pack) -> the block kind it holds.

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.huge_pages import huge_buffer
+
 
 @dataclass(frozen=True)
 class CacheShape:
@@ -107,13 +109,7 @@ def cpu_pool(count: int, dims: tuple[int, ...], dtype: torch.dtype) -> tuple[lis
     per = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
     if count * per == 0:
         return [torch.zeros(dims, dtype=dtype) for _ in range(count)], None
-    buf = mmap.mmap(-1, count * per, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP unsupported or disabled: 4 KB pages
-            pass
-    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    flat, buf = huge_buffer(count * per)
     flat.zero_()  # commit now (and fault in the huge pages), not on a block's first use
     pool = flat.view(dtype).view(count, *dims)
     return list(pool.unbind(0)), buf

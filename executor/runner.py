@@ -75,6 +75,11 @@ class ModelRunner:
             from executor import gguf_weights
 
             gguf_weights.release(model)
+        if self.device.type == "cpu":  # what a decode step streams, on 2 MB pages (executor/huge_pages.py)
+            from executor.huge_pages import module_tensors, move_to_huge_pages
+
+            moved = move_to_huge_pages(module_tensors([*model.modules(), *self._lean_modules()]))
+            _LOGGER.info("weights on huge pages", mb=round(moved / 2**20))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                                       block_size, self.dtype)
@@ -82,6 +87,9 @@ class ModelRunner:
         self.kv = KVCache(self.cache_shape, num_blocks, num_swap_blocks, device=str(self.device))
         self.state = BatchState()
         self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+
+    def _lean_modules(self) -> list[torch.nn.Module]:
+        return [] if self.lean is None else self.lean.modules()
 
     # -- plan application -------------------------------------------------
     def _admit(self, seq: pb.ScheduledSeq) -> SeqState:

@@ -9,16 +9,7 @@ import pytest
 import torch
 
 from executor.kv_cache import CacheShape, KVCache, cpu_pool
-
-THP = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def _thp_mode() -> str | None:
-    try:
-        with open(THP, encoding="ascii") as fh:
-            return fh.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
+from tests.executor.helpers import anon_huge_kb, thp_mode
 
 
 def test_tensors_are_zeroed_contiguous_and_disjoint():
@@ -39,22 +30,13 @@ def test_empty_pool():
     assert mapping is None and [t.numel() for t in tensors] == [0] * 4
 
 
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 def test_cpu_cache_sits_on_huge_pages():
     cache = KVCache(CacheShape(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16),
                     num_blocks=1024)  # 2 x 2 x 6 MB
     lo = min(t.data_ptr() for t in cache.key + cache.value)
     hi = max(t.data_ptr() + t.numel() * t.element_size() for t in cache.key + cache.value)
-    huge_kb = 0
-    with open("/proc/self/smaps", encoding="ascii") as fh:
-        inside = False
-        for line in fh:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start < hi and end > lo
-            elif inside and head == "AnonHugePages:":
-                huge_kb += int(line.split()[1])
+    huge_kb = anon_huge_kb(lo, hi)
     assert huge_kb >= 8 * 1024, f"{huge_kb} kB of huge pages under a 24 MB cache"
 
 

@@ -43,9 +43,12 @@ def test_expanded_tiles_equal_the_packed_bf16_weight(kind, n, k):
 # Rows: one pass (the tiles expanded just before use: 1..32) and several
 # passes over a run of expanded tiles (33+), with and without bias.
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+# n: column blocks in pairs (64), and an odd last block (65), which the
+# pair-major packing stores alone.
+@pytest.mark.parametrize("n", [1024, 1040])
 @pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 64, 100])
-def test_linear_and_argmax_equal_the_bf16_kernel(kind, m):
-    n, k = 1024, 576
+def test_linear_and_argmax_equal_the_bf16_kernel(kind, m, n):
+    k = 576
     bw = _blocks(kind, n, k, seed=m)
     w = bw.dequantize().bfloat16()
     g = torch.Generator().manual_seed(7 * m)
