@@ -158,6 +158,12 @@ def attach_memory_roof(roof: dict, gb_s: float, context: int, cfg: dict = SMOLLM
         nbytes = step_bytes(roof["batch"], context, b["dtype"], cfg, wb)
         b["step_mb"] = nbytes / 1e6
         b["memory_bound_tok_s"] = roof["batch"] / (nbytes / (gb_s * 1e9))
+        # The step's matmuls at the compute roof, then its attention streaming
+        # the batch's K/V at the stream bandwidth: a decode step runs them one
+        # after the other, so this is the tighter bound of the two phases.
+        kv_s = step_bytes(roof["batch"], context, b["dtype"], cfg, weight_bytes=0) / (gb_s * 1e9)
+        b["kv_stream_ms"] = kv_s * 1e3
+        b["phase_bound_tok_s"] = roof["batch"] / (b["step_matmul_ms"] / 1e3 + kv_s)
         b["roofline_bound_tok_s"] = min(b["memory_bound_tok_s"], b["decode_bound_tok_s"])
         if "cbserve_decode_tok_s" in b:
             b["roofline_share"] = b["cbserve_decode_tok_s"] / b["roofline_bound_tok_s"]

@@ -145,6 +145,14 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
                      f"machine's matmul rate at the model's shapes) and the memory roof "
                      f"({b['memory_bound_tok_s']:.0f} tok/s, {b.get('step_mb', math.nan):.0f} MB a step with the "
                      f"weights as the executor stores them).")
+        if b.get("phase_bound_tok_s") and b.get("alone_decode_tok_s"):
+            phase = b["phase_bound_tok_s"]
+            roofs += (f" Counted phase by phase — the matmuls at the compute roof "
+                      f"({b.get('step_matmul_ms', math.nan):.1f} ms), then attention reading the batch's K/V "
+                      f"at the stream bandwidth ({b['kv_stream_ms']:.1f} ms), which a step does one after "
+                      f"the other — the bound is {phase:.0f} tok/s: alone "
+                      f"{100 * b['alone_decode_tok_s'] / phase:.0f} %, in the server "
+                      f"{100 * b.get('cbserve_decode_tok_s', math.nan) / phase:.0f} % of it.")
         out.append(
             f"Decode at batch 64: the executor alone (same batch, prompts and contexts, no router, gRPC or load "
             f"generator) runs {big['decode_tok_s']:.0f} tok/s = {100 * b.get('alone_roofline_share', math.nan):.1f} % "

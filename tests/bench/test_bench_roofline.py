@@ -45,6 +45,11 @@ def test_memory_roof_takes_the_lower_bound():
     assert math.isclose(b["roofline_share"], 10.0 / b["memory_bound_tok_s"])
     attach_memory_roof(roof, slow * 100, context=100, cfg=tiny)
     assert b["roofline_bound_tok_s"] == b["decode_bound_tok_s"]
+    # Phase by phase: the matmuls' time plus the K/V stream's, lower than either roof.
+    kv_s = step_bytes(4, 100, "float32", tiny, weight_bytes=0) / (slow * 100 * 1e9)
+    assert math.isclose(b["kv_stream_ms"], kv_s * 1e3)
+    assert math.isclose(b["phase_bound_tok_s"], 4 / (b["step_matmul_ms"] / 1e3 + kv_s))
+    assert b["phase_bound_tok_s"] < b["roofline_bound_tok_s"]
 
 
 def test_stream_bandwidth_is_measured():

@@ -31,7 +31,8 @@ def _results(fcfs512=700.0, server64=1500.0, alone64=1800.0, router_share=0.025)
         "runs": runs,
         "roofline": {"stream_gb_s": 23.5, "bounds": [
             {"dtype": "bfloat16", "roofline_bound_tok_s": roofline_bound, "cbserve_decode_tok_s": server64,
-             "roofline_share": server64 / roofline_bound}]},
+             "roofline_share": server64 / roofline_bound, "step_matmul_ms": 18.0, "kv_stream_ms": 9.6,
+             "phase_bound_tok_s": 64 / 0.0276}]},
         "overheads": [
             {"batch": 1, "dtype": "bfloat16", "decode_tok_s": 70.0, "router_share": 0.01},
             {"batch": 64, "dtype": "bfloat16", "decode_tok_s": server64, "router_share": router_share,
@@ -90,6 +91,7 @@ def test_limits_text_explains_only_missed_targets_with_run_numbers():
     text = " ".join(limits_text(res))
     assert "1800 tok/s = 60.0 %" in text and "1500 tok/s = 50.0 %" in text and "7.1 ms of CPU per 54 ms" in text
     assert "ITL p50 18.0 ms against 12.8 ms" in text
+    assert "the bound is 2319 tok/s: alone 78 %, in the server 65 % of it" in text
     assert "are memory-bound" in text and "90 % of the stream bandwidth" in text
     # Weights streamed as 4-bit blocks: the same step time is far from the memory roof.
     res["standalone"]["weight_bytes"] = 96_000_000
