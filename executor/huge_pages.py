@@ -5,9 +5,10 @@ A decode step reads every weight once and each sequence's K/V blocks. On
 4 KB pages those reads keep walking page tables (SmolLM2's 96 MB of packed
 block weights are 24k pages, far more than the TLBs hold) and the hardware
 prefetcher stops at every page boundary. 2 MB pages take both away: with the
-weights moved onto them a whole decode step alone went 9.2 -> 8.4 ms at
-batch 1, 11.3 -> 10.3 at batch 8, 15.6 -> 14.7 at batch 20 (SmolLM2, two
-cores). Where the kernel offers no transparent huge pages (`never`) the same
+weights on them (measured first with glibc's `glibc.malloc.hugetlb=1`
+tunable, which puts every malloc'd block there) a whole decode step alone
+went 9.1 -> 8.3 ms at batch 1, 11.3 -> 10.3 at batch 8, 15.6 -> 14.7 at
+batch 20 (SmolLM2, two cores, two interleaved pairs). Where the kernel offers no transparent huge pages (`never`) the same
 mappings get 4 KB pages and nothing else changes.
 """
 
@@ -16,10 +17,7 @@ from __future__ import annotations
 import mmap
 from typing import Iterable
 
-import structlog
 import torch
-
-_LOGGER = structlog.get_logger(__name__)
 
 ALIGN = 64  # bytes: a cache line, and a multiple of every element size
 
