@@ -20,6 +20,11 @@ HF_STATIC_RATIO = {32: 2.0, 128: 3.7, 512: 9.5}
 VLLM_RATIO = {128: 1.5, 512: 1.5}
 ROOFLINE_SHARE = 0.60
 ROUTER_SHARE = 0.05
+# perf (cpu-clock, 8 s of batch-64 decode at contexts ~250-450) of the
+# executor's two threads: cores they ran on, and the share of that in
+# libgomp (waiting at barriers), alone and in the server.
+PERF_CORES_ALONE, PERF_WAIT_ALONE = 1.98, 0.112
+PERF_CORES_SERVED, PERF_WAIT_SERVED = 1.78, 0.177
 
 
 def _summary(runs: list[dict], system: str, cap: int, dtype: str) -> dict | None:
@@ -139,6 +144,15 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
     one, big = rows.get(1), rows.get(64)
     if big and b.get("roofline_share") is not None:
         side = (ov.get("router_cpu_ms") or 0) + (ov.get("client_cpu_ms") or 0)
+        gap = big["decode_tok_s"] / b.get("cbserve_decode_tok_s", math.nan)
+        share_loss = PERF_CORES_ALONE / PERF_CORES_SERVED
+        wait_loss = (1 - PERF_WAIT_ALONE) / (1 - PERF_WAIT_SERVED)
+        work_loss = gap / share_loss / wait_loss
+        split = ""
+        if work_loss >= 1:  # the served step of this run split into its three causes
+            split = (f": of the {100 * (gap - 1):.0f} % longer served step of this run, roughly "
+                     f"{100 * (share_loss - 1):.0f} % is the CPU share, {100 * (wait_loss - 1):.0f} % the extra "
+                     f"waiting and {100 * (work_loss - 1):.0f} % the work itself")
         roofs = ""
         if b.get("memory_bound_tok_s") and b.get("decode_bound_tok_s"):
             roofs = (f" The bound is the lower of the compute roof ({b['decode_bound_tok_s']:.0f} tok/s, this "
@@ -162,12 +176,19 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
             f"arithmetic with the weight stream (tried here: one pass over all 64 rows, software prefetch of the "
             f"next run — neither was faster). In the server the router and the load generator use "
             f"{side:.1f} ms of CPU per {1e3 * (ov.get('iteration_mean_s') or math.nan):.0f} ms iteration on the "
-            f"same two cores (the overhead table), but that CPU is not the whole gap: with both at SCHED_IDLE "
-            f"(they run only where a core would idle) the in-server forward took as long (batch-64 decode at "
-            f"contexts 200-300: 48-50 ms a step either way). Part of it is where the blocks sit: the router hands "
-            f"them out from anywhere in the pool, and alone a step over blocks scattered across 2,912 is ~10 % "
+            f"same two cores (the overhead table), and the step loses more than that CPU: sampled with perf "
+            f"(batch-64 decode at contexts ~250-450, 8 s), the executor's two threads ran on "
+            f"{PERF_CORES_ALONE:.2f} cores alone, {100 * PERF_WAIT_ALONE:.0f} % of it waiting at OpenMP barriers, "
+            f"and on {PERF_CORES_SERVED:.2f} cores in the server, {100 * PERF_WAIT_SERVED:.0f} % of it waiting. A thread "
+            f"the router or the load generator preempts holds its partner at the end of the parallel region "
+            f"(the partner spins there: letting it sleep sooner, GOMP_SPINCOUNT=30000 or OMP_WAIT_POLICY=PASSIVE, "
+            f"was slower, -6 to -11 % and -23 to -25 %, as every barrier then pays a wake-up), and the same "
+            f"kernels take longer after each switch (caches and TLBs refilled){split}. Running the side processes at SCHED_IDLE "
+            f"(only where a core would idle) did not help (batch-64 decode at contexts 200-300: 48-50 ms a step "
+            f"either way): their work then waits for the step to end. Block placement adds to it: the router hands "
+            f"blocks out from anywhere in the pool, and alone a step over blocks scattered across 2,912 is ~10 % "
             f"slower than over consecutive ones even on huge pages (34.5 against 31.1 ms at context 152; 4 KB "
-            f"pages: 36.9 against 34.2). The rest was not located in this version. Profiled with perf, the "
+            f"pages: 36.9 against 34.2). Profiled with perf, the "
             f"router's CPU is about 40 % Python, 30 % kernel thread switches and socket calls and 15 % gRPC's C "
             f"core: one gRPC message per streamed token and request.")
     if one and one.get("memory_roof_share") is not None and big:

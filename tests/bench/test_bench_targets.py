@@ -92,6 +92,13 @@ def test_limits_text_explains_only_missed_targets_with_run_numbers():
     assert "1800 tok/s = 60.0 %" in text and "1500 tok/s = 50.0 %" in text and "7.1 ms of CPU per 54 ms" in text
     assert "ITL p50 18.0 ms against 12.8 ms" in text
     assert "the bound is 2319 tok/s: alone 78 %, in the server 65 % of it" in text
+    # 1800 / 1500: a 20 % longer served step, within what the CPU share and the waiting explain.
+    assert "on 1.78 cores in the server" in text and "longer served step of this run" not in text
+    res = _results(server64=1300.0)
+    attach_alone(res)
+    text = " ".join(limits_text(res))
+    assert ("of the 38 % longer served step of this run, roughly 11 % is the CPU share, 8 % the extra waiting "
+            "and 15 % the work itself") in text
     assert "are memory-bound" in text and "90 % of the stream bandwidth" in text
     # Weights streamed as 4-bit blocks: the same step time is far from the memory roof.
     res["standalone"]["weight_bytes"] = 96_000_000
