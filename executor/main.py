@@ -6,6 +6,7 @@ import argparse
 import ctypes
 import ctypes.util
 import gc
+import os
 import sys
 
 import structlog
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                  listen=args.listen, model=source.name,
                  dtype=str(dtype).removeprefix("torch."), device=str(device), num_blocks=num_blocks,
                  block_size=cache.block_size, backend=args.attention_backend,
-                 threads=torch.get_num_threads())
+                 threads=torch.get_num_threads(), omp_proc_bind=os.environ.get("OMP_PROC_BIND", ""))
     wait_forever(server, health, service.worker)
     return 0
 
