@@ -35,15 +35,15 @@ def _best(fn, reps: int) -> float:
 
 
 def _random_blocks(n: int, k: int, kind: str, g: torch.Generator):
-    """Packed GGUF blocks of an [n, k] weight with random q values and scales."""
+    """GGUF blocks of an [n, k] weight with random q values and scales."""
     from executor.gguf_weights import BLOCK, BlockWeight
 
     d = (torch.rand(n, k // BLOCK, generator=g) * 0.01).half()
     if kind == "q4_1":
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        return BlockWeight(kind, q, d, (-8 * d.float()).half()).pack()
+        return BlockWeight(kind, q, d, (-8 * d.float()).half())
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    return BlockWeight(kind, q, d, None).pack()
+    return BlockWeight(kind, q, d, None)
 
 
 def _kernels(weights, g: torch.Generator):
@@ -64,10 +64,20 @@ def _kernels(weights, g: torch.Generator):
         amx = [fused.amx_pack_weight(w) for w in weights]
         out["amx_linear"] = (None, lambda xs: [
             fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, amx)], bf16_bytes)
-        blocks = [_random_blocks(*w.shape, "q8_0" if tuple(w.shape) == LM_HEAD else "q4_1", g) for w in weights]
+        raw = [_random_blocks(*w.shape, "q8_0" if tuple(w.shape) == LM_HEAD else "q4_1", g) for w in weights]
+        blocks = [bw.pack() for bw in raw]
         out["amx_linear GGUF blocks"] = (None, lambda xs: [
             fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, blocks)],
             sum(p.numel() for p in blocks))
+        # What the executor runs up to Q4_ROWS_MAX_ROWS: the Q4_1 projections
+        # on amx_q4_rows_linear (feature-major blocks), the Q8_0 head on amx_linear.
+        from executor.packed_linear import Q4_ROWS_MAX_ROWS
+
+        rows = [bw.pack_rows() for bw in raw]
+        out["amx_q4_rows_linear GGUF blocks"] = (Q4_ROWS_MAX_ROWS, lambda xs: [
+            fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) if r is None
+            else fused.amx_q4_rows_linear(xs[w.shape[1]], r, w.shape[0])
+            for w, p, r in zip(weights, blocks, rows)], sum(p.numel() for p in blocks))
     return out
 
 
@@ -107,7 +117,9 @@ def table(rows: list[dict]) -> str:
     lines.append("")
     lines.append(f"All projections of one model step ({mb['F.linear']:.0f} MB of bf16 weights"
                  + (f", {mb['amx_linear GGUF blocks']:.0f} MB as GGUF blocks" if "amx_linear GGUF blocks" in mb else "")
-                 + "), best of the timed loops. '-': not timed (skinny_linear is a decode kernel). "
-                 "'PackedLinear runs': amx_linear is its blocks variant where the model's GGUF blocks expand "
-                 "exactly to the loaded weights (SmolLM2), its bf16-tile variant otherwise.")
+                 + "), best of the timed loops. '-': not timed (skinny_linear is a decode kernel, "
+                 "amx_q4_rows_linear takes up to 32 rows). 'PackedLinear runs': amx_linear is its blocks variant "
+                 "where the model's GGUF blocks expand exactly to the loaded weights (SmolLM2), its bf16-tile "
+                 "variant otherwise; up to 32 rows such a model's Q4_1 layers run amx_q4_rows_linear instead (the "
+                 "column of that name: those layers on it, the Q8_0 LM head on amx_linear).")
     return "\n".join(lines)

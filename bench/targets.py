@@ -203,10 +203,11 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
                      "a change of numerics cbserve does not make by default).")
         else:
             bound = ("Small batches are no longer memory-bound: with the weights streamed as 4-bit GGUF blocks, "
-                     "expanding them to bf16 tiles (per 32 weights two shifts, two table lookups, two FMAs, "
-                     "one conversion and a store, exact to the bf16 model) is the larger cost; what would raise "
-                     "these ratios is cheaper expansion (or int8 arithmetic, which changes the numerics), and at "
-                     "batch 64 the overlap above.")
+                     "expanding them to bf16 tiles, exact to the bf16 model, is the larger cost (up to 32 rows "
+                     "amx_q4_rows_linear: per 64 weights one widening, one shift, two FMAs, two conversions, two "
+                     "table lookups and two stores, ~1.5x cheaper than amx_linear's expansion, which larger "
+                     "batches run); what would raise these ratios is cheaper expansion still (or int8 arithmetic, "
+                     "which changes the numerics), and at batch 64 the overlap above.")
         out.append(
             f"A batch-1 step reads {one['step_mb']:.0f} MB (weights as stored, plus K/V) in {one['step_ms']:.1f} ms "
             f"alone, {100 * share:.0f} % of the stream bandwidth measured here; a batch-64 step "

@@ -54,8 +54,9 @@ class FusedMLP(torch.nn.Module):
         w = torch.cat([_weight(gate), _weight(up)], 0)
         amx = _amx_gate_up_ops(w)
         self.gate_up: PackedLinear | None = None
+        self.packed_rows = None
         if amx is not None:
-            from executor.gguf_weights import blocks_of, packed_tiles
+            from executor.gguf_weights import blocks_of, packed_rows, packed_tiles
 
             pack, self._gate_up_silu = amx
             # amx_pack_gate_up's row order: gate block j, then up block j (16 rows each).
@@ -63,6 +64,8 @@ class FusedMLP(torch.nn.Module):
             if blocks is not None:
                 blocks = blocks.rows(torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1))
             self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
+            k = w.shape[1]
+            self.packed_rows = packed_rows(blocks, w.view(2, -1, 16, k).transpose(0, 1).reshape(-1, k), "gate_up")
         else:
             fused = torch.nn.Linear(gate.in_features, 2 * self.inter, bias=False, dtype=gate.weight.dtype)
             with torch.no_grad():
@@ -88,6 +91,8 @@ class FusedMLP(torch.nn.Module):
         if self.gate_up is not None:
             return self._op(self.gate_up(x))
         if x.dim() == 2:  # the lean forward's [T, H]
+            if x.shape[0] <= packed_linear.Q4_ROWS_MAX_ROWS and self.packed_rows is not None:
+                return _fused().amx_q4_rows_linear(x.contiguous(), self.packed_rows, 2 * self.inter, self.inter)
             return self._gate_up_silu(x.contiguous(), self.packed_gate_up, self.inter)
         out = self._gate_up_silu(x.reshape(-1, x.shape[-1]).contiguous(), self.packed_gate_up, self.inter)
         return out.reshape(*x.shape[:-1], self.inter)

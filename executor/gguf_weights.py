@@ -103,6 +103,24 @@ class BlockWeight:
         pairs = tiles[:full].view(full // 2, 2, kb, tb).transpose(1, 2).reshape(full, kb, tb)
         return torch.cat([pairs, tiles[full:]]).contiguous()
 
+    def pack_rows(self) -> torch.Tensor | None:
+        """uint8 [N/32, K/32, 2, 320], the feature-major layout
+        amx_q4_rows_linear reads (the weights as AMX's A operand: a tile row
+        is one feature's 32 weights of one block), or None where it does not
+        apply (Q8_0, or N not a multiple of 32). Per pair of column blocks,
+        per k-block, the two tiles; a tile is 8 row pairs of 32 bytes (byte j
+        holds weight j of the even row in its low nibble, of the odd row in
+        its high nibble), then d[16] and m[16] in fp16."""
+        n, k = self.shape
+        if self.kind != "q4_1" or n % (2 * TILE_N) or k % BLOCK:
+            return None
+        nb, kb = n // TILE_N, k // BLOCK
+        q = self.q.view(nb, TILE_N // 2, 2, kb, BLOCK)
+        qt = (q[:, :, 0] | (q[:, :, 1] << 4)).permute(0, 2, 1, 3).reshape(nb, kb, -1)  # [nb, kb, 8 x 32]
+        st = [s.view(nb, TILE_N, kb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in (self.d, self.m)]
+        tiles = torch.cat([qt] + st, dim=2)  # [nb, kb, 320]
+        return tiles.view(nb // 2, 2, kb, -1).transpose(1, 2).contiguous()
+
 
 # Bytes of one packed tile (BlockWeight.pack) -> the block kind it holds.
 _TILE_KIND = {320: "q4_1", 544: "q8_0"}
@@ -229,3 +247,21 @@ def packed_tiles(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str
         return packed
     _LOGGER.warning("GGUF blocks do not expand to the loaded weights; serving bf16 tiles", layer=what)
     return bf16_tiles
+
+
+def packed_rows(blocks: BlockWeight | None, weight: torch.Tensor, what: str) -> torch.Tensor | None:
+    """The feature-major Q4_1 layout (BlockWeight.pack_rows) for the
+    small-batch kernel where it expands to exactly `weight` (the bf16 [N, K]
+    weight in the row order the kernel's caller uses), else None."""
+    if blocks is None or not enabled():
+        return None
+    packed = blocks.pack_rows()
+    if packed is None:
+        return None
+    import native._fused as fused
+
+    if torch.equal(fused.amx_q4_rows_dequant(packed).view(torch.int16), weight.view(torch.int16)):
+        return packed
+    _LOGGER.warning("GGUF blocks do not expand to the loaded weights; no small-batch Q4_1 kernel", layer=what)
+    return None
+

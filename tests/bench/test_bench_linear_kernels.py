@@ -23,10 +23,11 @@ def test_gb_s_uses_the_fastest_kernels_bytes():
     assert "270 MB of bf16 weights, 96 MB as GGUF blocks" in lines[-1]
 
 
-def test_random_blocks_have_the_packed_layout():
+def test_random_blocks_have_the_packed_layouts():
     g = torch.Generator().manual_seed(0)
-    q4 = lk._random_blocks(48, 64, "q4_1", g)
+    q4 = lk._random_blocks(64, 64, "q4_1", g)
     q8 = lk._random_blocks(32, 96, "q8_0", g)
-    assert q4.dtype == q8.dtype == torch.uint8
-    assert tuple(q4.shape) == (3, 2, 320) and tuple(q8.shape) == (2, 3, 544)
-    assert not torch.equal(q4, lk._random_blocks(48, 64, "q4_1", g))  # drawn, not constant
+    assert q4.pack().dtype == q8.pack().dtype == torch.uint8
+    assert tuple(q4.pack().shape) == (4, 2, 320) and tuple(q8.pack().shape) == (2, 3, 544)
+    assert tuple(q4.pack_rows().shape) == (2, 2, 2, 320) and q8.pack_rows() is None
+    assert not torch.equal(q4.pack(), lk._random_blocks(64, 64, "q4_1", g).pack())  # drawn, not constant

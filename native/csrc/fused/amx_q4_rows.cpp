@@ -1,0 +1,283 @@
+// Q4_1 linear layer for decode-sized batches (M <= 32) with the weights as
+// AMX's A operand: yᵀ = w · xᵀ.
+//
+// amx_linear feeds the weights as the B operand, whose tile row is one k-pair
+// of 16 different features: each lane has its own scale, so every weight is
+// expanded in fp32 (a table lookup and an FMA per 16 weights, then a
+// conversion). Here a tile row is one feature's 32 weights of one GGUF block,
+// which share one d and one m: the row's 16 possible bf16 values are one FMA
+// and one conversion, and a single vpermw looks all 32 weights up (the index
+// is the nibble; vpermw reads the low five bits of each word, so the table is
+// held twice). Per 16 x 32 tile that is ~80 vector instructions instead of
+// ~140, and the expansion is what a small batch's step waits for (SmolLM2
+// decode at batch 4: 60 % of the step in expanding and multiplying Q4_1
+// tiles). The values are bit-identical to amx_linear's: bf16(fma(q, d, m)).
+//
+// The price is a transposed output: each pair of column blocks ends with
+// fp32 tiles C[feature][token] that the epilogue turns into rows of y.
+// Packed layout (BlockWeight.pack_rows): per pair of column blocks, per
+// k-block, the two tiles; a tile is 8 row pairs of 32 bytes (byte j: weight j
+// of the even row in the low nibble, of the odd row in the high nibble), then
+// d[16] and m[16] in fp16.
+
+#include "amx_q4_rows.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "bf16_vec.h"
+#include "cpu_isa.h"
+
+#include "../amx_tiles.h"
+
+#if CB_FUSED_X86
+#define CB_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#endif
+
+namespace cbserve_fused {
+
+bool amx_linear_supported();
+
+namespace {
+
+constexpr int64_t kTile = 16;         // features per column block, tokens per xᵀ tile, k-pairs per tile
+constexpr int64_t kBlockK = 32;       // weights per GGUF block = k per tile
+constexpr int64_t kTileBytes = 320;   // 256 bytes of nibbles, d[16], m[16] fp16
+constexpr int64_t kTileWords = 512;   // one bf16 tile (1 KB)
+
+#if CB_FUSED_X86
+// One A tile [16 features][32 k] of bf16 from its packed Q4_1 form.
+CB_AMX inline void expand_tile(const uint8_t* src, uint16_t* dst) {
+  alignas(64) float dm[32];
+  _mm512_store_ps(dm, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256))));
+  _mm512_store_ps(dm + 16, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 288))));
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int i = 0; i < 8; ++i) {
+    const __m512i lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * i)));
+    const __m512i hi = _mm512_srli_epi16(lo, 4);
+    const __m512 ta = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * i]), _mm512_set1_ps(dm[16 + 2 * i]));
+    const __m512 tb = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * i + 1]), _mm512_set1_ps(dm[17 + 2 * i]));
+    const __m512i table_a = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(ta, ta));
+    const __m512i table_b = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(tb, tb));
+    _mm512_store_si512(dst + 64 * i, _mm512_permutexvar_epi16(lo, table_a));
+    _mm512_store_si512(dst + 64 * i + 32, _mm512_permutexvar_epi16(hi, table_b));
+  }
+}
+
+// r[0..15] (rows) -> columns, in place: 16 x 16 fp32.
+CB_AMX inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: column 4L + c of rows 4g .. 4g + 3
+    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < 4; ++c) {
+      t[8 * h + c] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+      t[8 * h + 4 + c] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], 0xDD);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0xDD);
+  }
+}
+
+// Token t's 16 features from a C tile [16 features][16 tokens] in memory.
+CB_AMX inline __m512 column(const float* c, int64_t t) {
+  const __m512i stride = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+  return _mm512_i32gather_ps(stride, c + t, 4);
+}
+
+// The epilogue of pair p (column blocks 2p, 2p + 1) from its C tiles
+// acc[token tile][block][16 x 16], for tokens 0 .. M - 1.
+CB_AMX void finish_pair(const float* acc, int64_t p, int64_t M, int64_t N, int64_t silu_inter, uint16_t* y) {
+  for (int64_t tb = 0; tb * kTile < M; ++tb) {
+    const int64_t rows = std::min<int64_t>(kTile, M - tb * kTile);
+    const float* c0 = acc + tb * 2 * 256;
+    const float* c1 = c0 + 256;
+    __m512 g[16], u[16];
+    if (rows > 4) {
+      for (int i = 0; i < 16; ++i) g[i] = _mm512_load_ps(c0 + 16 * i), u[i] = _mm512_load_ps(c1 + 16 * i);
+      transpose16(g);
+      transpose16(u);
+    } else {
+      for (int64_t t = 0; t < rows; ++t) g[t] = column(c0, t), u[t] = column(c1, t);
+    }
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t row = tb * kTile + t;
+      if (silu_inter > 0) {
+        store_bf16(reinterpret_cast<c10::BFloat16*>(y + row * silu_inter + p * kTile),
+                   silu_mul(round_bf16(g[t]), round_bf16(u[t])), 0xFFFF);
+      } else {
+        _mm512_storeu_si512(y + row * N + p * 2 * kTile, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(u[t], g[t])));
+      }
+    }
+  }
+}
+
+// One thread: pairs claimed `chunk` at a time. Tiles: 0-3 C[token tile][block],
+// 4-5 xᵀ token tiles, 6-7 the pair's two weight tiles of the k-block.
+CB_AMX void run_rows(const uint8_t* packed, const uint32_t* xt, int64_t M, int64_t N, int64_t kblocks,
+                     int64_t npairs, std::atomic<int64_t>& next, int64_t chunk, int64_t silu_inter, uint16_t* y) {
+  const cbserve_amx::TileConfig16x64 cfg;
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t buf[2][2][kTileWords];
+  alignas(64) float acc[2][4][256];
+  const bool two_m = M > kTile;
+  const int64_t xstep = (two_m ? 2 : 1) * 256;  // uint32 per k-block of xᵀ
+  const int64_t pair_bytes = kblocks * 2 * kTileBytes;
+  int slot = 0;
+  int64_t pending = -1;
+  for (int64_t p0 = next.fetch_add(chunk, std::memory_order_relaxed); p0 < npairs;
+       p0 = next.fetch_add(chunk, std::memory_order_relaxed)) {
+    const int64_t p1 = std::min(p0 + chunk, npairs);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* src = packed + p * pair_bytes;
+      expand_tile(src, buf[0][0]);
+      expand_tile(src + kTileBytes, buf[0][1]);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        if (kb + 1 < kblocks) {
+          // Three k-blocks ahead, into the next pair near the end (a hint never faults).
+          const uintptr_t ahead = reinterpret_cast<uintptr_t>(src) + (kb + 4) * 2 * kTileBytes;
+          for (int64_t l = 0; l < 2 * kTileBytes; l += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+          uint16_t* nb = buf[(kb + 1) & 1][0];
+          expand_tile(src + (kb + 1) * 2 * kTileBytes, nb);
+          expand_tile(src + (kb + 1) * 2 * kTileBytes + kTileBytes, nb + kTileWords);
+        }
+        const uint16_t* a0 = buf[kb & 1][0];
+        _tile_loadd(4, xt + kb * xstep, 64);
+        _tile_loadd(6, a0, 64);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_loadd(7, a0 + kTileWords, 64);
+        _tile_dpbf16ps(1, 7, 4);
+        if (two_m) {
+          _tile_loadd(5, xt + kb * xstep + 256, 64);
+          _tile_dpbf16ps(2, 6, 5);
+          _tile_dpbf16ps(3, 7, 5);
+        }
+      }
+      // The previous pair's epilogue now, after this pair's tiles were issued:
+      // its accumulators have long left the tile stores.
+      if (pending >= 0) finish_pair(&acc[slot ^ 1][0][0], pending, M, N, silu_inter, y);
+      _tile_stored(0, acc[slot][0], 64);
+      _tile_stored(1, acc[slot][1], 64);
+      _tile_stored(2, acc[slot][2], 64);
+      _tile_stored(3, acc[slot][3], 64);
+      pending = p;
+      slot ^= 1;
+    }
+  }
+  if (pending >= 0) finish_pair(&acc[slot ^ 1][0][0], pending, M, N, silu_inter, y);
+  _tile_release();
+}
+#endif
+
+#if CB_FUSED_X86
+// xᵀ as AMX B tiles [k-block][token tile][16 k-pairs][16 tokens] of bf16
+// pairs (x as uint32 pairs [M][K/2]), zero past the last token: per k-block
+// and token tile a 16 x 16 transpose of 32-bit pairs.
+CB_AMX void build_xt(const uint32_t* xs, int64_t M, int64_t K, uint32_t* xt) {
+  const int64_t pairs_k = K / 2, kblocks = K / kBlockK, tiles_m = M > kTile ? 2 : 1;
+  for (int64_t kb = 0; kb < kblocks; ++kb)
+    for (int64_t tb = 0; tb < tiles_m; ++tb) {
+      uint32_t* dst = xt + (kb * tiles_m + tb) * 256;
+      const int64_t rows = std::min<int64_t>(kTile, M - tb * kTile);
+      if (rows <= 4) {  // a few tokens: zeros, then their pairs one by one
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(dst + 16 * i, _mm512_setzero_si512());
+        for (int64_t t = 0; t < rows; ++t)
+          for (int64_t p = 0; p < kTile; ++p) dst[p * 16 + t] = xs[(tb * kTile + t) * pairs_k + kb * kTile + p];
+        continue;
+      }
+      __m512 r[16];
+      for (int64_t t = 0; t < 16; ++t)
+        r[t] = t < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(xs + (tb * kTile + t) * pairs_k + kb * kTile))
+                        : _mm512_setzero_ps();
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(dst + 16 * i), r[i]);
+    }
+}
+#endif
+
+void check_packed(const torch::Tensor& packed) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 4 &&
+                  packed.size(2) == 2 && packed.size(3) == kTileBytes && packed.is_contiguous(),
+              "packed must be contiguous uint8 [N/32, K/32, 2, ", kTileBytes, "] (BlockWeight.pack_rows)");
+}
+
+}  // namespace
+
+torch::Tensor amx_q4_rows_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                                 int64_t silu_inter) {
+  TORCH_CHECK(amx_linear_supported(), "amx_q4_rows_linear needs an AMX-BF16 CPU");
+  check_packed(packed);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous CPU bf16 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(M <= kQ4RowsMaxM, "amx_q4_rows_linear takes at most ", kQ4RowsMaxM, " rows, got ", M);
+  TORCH_CHECK(N % (2 * kTile) == 0 && packed.size(0) == N / (2 * kTile) && K % kBlockK == 0 &&
+                  packed.size(1) == K / kBlockK,
+              "packed does not hold a [", N, ", ", K, "] weight");
+  TORCH_CHECK(silu_inter == 0 || 2 * silu_inter == N, "silu_inter must be half of out_features");
+  auto y = torch::empty({M, silu_inter > 0 ? silu_inter : N}, x.options());
+  if (M == 0) return y;
+#if CB_FUSED_X86
+  const int64_t kblocks = K / kBlockK, tiles_m = M > kTile ? 2 : 1;
+  // xᵀ as AMX B tiles [k-block][token tile][16 k-pairs][16 tokens] of bf16
+  // pairs, zero past the last token.
+  auto xt_t = torch::empty({kblocks * tiles_m * 256}, x.options().dtype(at::kInt));
+  build_xt(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), M, K,
+           reinterpret_cast<uint32_t*>(xt_t.data_ptr<int32_t>()));
+  const auto* xt = reinterpret_cast<const uint32_t*>(xt_t.data_ptr<int32_t>());
+  const int64_t npairs = N / (2 * kTile);
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, npairs / (4 * nthreads)));
+  std::atomic<int64_t> next{0};
+  const auto* wp = packed.data_ptr<uint8_t>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t w = t0; w < t1; ++w) run_rows(wp, xt, M, N, kblocks, npairs, next, chunk, silu_inter, yp);
+  });
+#endif
+  return y;
+}
+
+torch::Tensor amx_q4_rows_dequant(const torch::Tensor& packed) {
+  TORCH_CHECK(amx_linear_supported(), "amx_q4_rows_dequant needs an AMX-BF16 CPU");
+  check_packed(packed);
+  const int64_t npairs = packed.size(0), kblocks = packed.size(1);
+  auto out = torch::empty({npairs * 2 * kTile, kblocks * kBlockK}, packed.options().dtype(at::kBFloat16));
+#if CB_FUSED_X86
+  const auto* src = packed.data_ptr<uint8_t>();
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t K = kblocks * kBlockK;
+  at::parallel_for(0, npairs, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) uint16_t tile[kTileWords];
+    for (int64_t p = b0; p < b1; ++p)
+      for (int64_t kb = 0; kb < kblocks; ++kb)
+        for (int64_t h = 0; h < 2; ++h) {
+          expand_tile(src + ((p * kblocks + kb) * 2 + h) * kTileBytes, tile);
+          for (int64_t r = 0; r < kTile; ++r)
+            std::memcpy(dst + ((2 * p + h) * kTile + r) * K + kb * kBlockK, tile + r * kBlockK, kBlockK * 2);
+        }
+  });
+#endif
+  return out;
+}
+
+}  // namespace cbserve_fused
