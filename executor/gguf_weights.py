@@ -12,7 +12,9 @@ Same weights, same outputs, a third of the bytes a step reads.
 Every tensor is checked at load: its expansion must equal the loaded bf16
 weight bit for bit, else that layer keeps the bf16 tiles (a GGUF whose
 mapping or rounding differs is served as before, with a warning).
-`CBSERVE_GGUF_BLOCKS=0` turns the whole path off.
+`CBSERVE_GGUF_BLOCKS=0` turns the whole path off; `CBSERVE_Q4_ROWS=0` keeps
+the Q4_1 layers on amx_linear's layout and kernel (amx_q4_rows_linear's
+feature-major layout otherwise).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ _LOGGER = structlog.get_logger(__name__)
 BLOCK = 32  # weights per GGUF block (Q4_1, Q8_0)
 TILE_N = 16  # output features per AMX weight tile
 ENV_SWITCH = "CBSERVE_GGUF_BLOCKS"
+# "0": Q4_1 layers keep amx_linear's layout and kernel instead of amx_q4_rows_linear's.
+ROWS_SWITCH = "CBSERVE_Q4_ROWS"
 
 # GGUF tensor (per layer) -> the Hugging Face Llama module it becomes.
 _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -253,7 +257,7 @@ def packed_rows(blocks: BlockWeight | None, weight: torch.Tensor, what: str) -> 
     """The feature-major Q4_1 layout (BlockWeight.pack_rows) for the
     small-batch kernel where it expands to exactly `weight` (the bf16 [N, K]
     weight in the row order the kernel's caller uses), else None."""
-    if blocks is None or not enabled():
+    if blocks is None or not enabled() or os.environ.get(ROWS_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     packed = blocks.pack_rows()
     if packed is None:

@@ -68,7 +68,8 @@ def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
     kinds = {with_blocks.model.lm_head.kernel, with_blocks.lean.layers[0].qkv.__self__.kernel,
              with_blocks.model.model.layers[0].mlp.kernel}
     assert kinds == {"amx-q8_0", "amx-q4_1", "amx_linear_silu_mul-q4_1"}
-    # The decode steps below (5 rows) run the Q4_1 layers on amx_q4_rows_linear.
+    # The decode steps below (5 rows) run the Q4_1 layers on amx_q4_rows_linear,
+    # the prefills (40-68 rows) on amx_linear.
     assert with_blocks.lean.layers[0].qkv.__self__.kernel_for(5) == "amx_q4_rows_linear"
     assert with_blocks.model.model.layers[0].mlp.packed_rows is not None
     # Once packed, the runner keeps no module's block values (a byte a weight).

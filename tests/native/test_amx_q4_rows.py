@@ -1,7 +1,8 @@
-"""The small-batch Q4_1 kernel (amx_q4_rows_linear: the weights as AMX's A
-operand, BlockWeight.pack_rows): its weights and every output must equal,
-bit for bit, those of amx_linear over the same blocks and of the bf16
-weights they dequantise to; it refuses what it cannot run."""
+"""The Q4_1 kernel with the weights as AMX's A operand (amx_q4_rows_linear
+over BlockWeight.pack_rows): its weights and every output must equal, bit
+for bit, those of amx_linear over the same blocks and of the bf16 weights
+they dequantise to; it refuses what it cannot run; GGUF Q4_1 layers run it
+for small batches."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def test_rows_layout_expands_to_the_dequantised_weight(n, k):
 
 
 # Rows: a few tokens (gathered epilogue, scalar xᵀ), one full token tile,
-# and the second tile, partly and wholly filled.
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 31, 32])
+# the second tile partly and wholly filled (one pass, tiles expanded just
+# before use), then several 32-token passes over a run of expanded tiles,
+# the last one partial.
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 31, 32, 33, 49, 64, 100])
 @pytest.mark.parametrize("n,k", [(64, 576), (960, 576), (576, 1536)])
 def test_linear_and_silu_mul_equal_amx_linear_over_the_same_blocks(m, n, k):
     bw = _blocks("q4_1", n, k, seed=m + n)
@@ -46,9 +49,10 @@ def test_linear_and_silu_mul_equal_amx_linear_over_the_same_blocks(m, n, k):
     assert torch.equal(_bits(s), _bits(fused.amx_linear_silu_mul(x, tiles, n // 2)))
 
 
-def test_results_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("m", [7, 80])
+def test_results_do_not_depend_on_the_thread_count(m):
     bw = _blocks("q4_1", 3072, 576, seed=3)
-    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
     rows = bw.pack_rows()
     before = torch.get_num_threads()
     try:
@@ -64,10 +68,7 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_refuses_what_it_cannot_run():
     bw = _blocks("q4_1", 64, 64, seed=1)
     rows = bw.pack_rows()
-    assert fused.amx_q4_rows_max_rows() == Q4_ROWS_MAX_ROWS == 32
     assert fused.amx_q4_rows_linear(torch.zeros(0, 64).bfloat16(), rows, 64).shape == (0, 64)
-    with pytest.raises(RuntimeError, match="at most 32 rows"):
-        fused.amx_q4_rows_linear(torch.zeros(33, 64).bfloat16(), rows, 64)
     with pytest.raises(RuntimeError, match="does not hold"):
         fused.amx_q4_rows_linear(torch.zeros(1, 64).bfloat16(), rows, 96)
     with pytest.raises(RuntimeError, match="does not hold"):
@@ -99,20 +100,23 @@ def test_packed_linear_runs_it_up_to_its_row_limit_with_the_same_outputs():
     bw = _blocks("q4_1", 960, 576, seed=4)
     lin = _linear_with_blocks(bw)
     packed = PackedLinear(lin)
-    assert packed.packed_rows is not None
-    assert packed.kernel_for(1) == packed.kernel_for(32) == "amx_q4_rows_linear"
-    assert packed.kernel_for(33) == "amx_linear"
+    assert packed.packed_rows.shape == (30, 18, 2, 320) and packed.kernel == "amx-q4_1"
+    assert packed.kernel_for(1) == packed.kernel_for(Q4_ROWS_MAX_ROWS) == "amx_q4_rows_linear"
+    assert packed.kernel_for(Q4_ROWS_MAX_ROWS + 1) == "amx_linear"
     g = torch.Generator().manual_seed(4)
     with torch.inference_mode():
         for m in (1, 9, 32, 33):
             x = torch.randn(m, 576, generator=g).bfloat16()
-            want = torch.nn.functional.linear(x.float(), lin.weight.float())
             got = packed(x)
-            # F.linear in fp32 differs from the bf16 kernels only by fp32 summation order and the final rounding.
-            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
             assert torch.equal(_bits(got), _bits(fused.amx_linear(x, packed.packed, 960, None)))
+            # F.linear in fp32 differs from the bf16 kernels only by summation order and the final rounding.
+            want = torch.nn.functional.linear(x.float(), lin.weight.float())
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
     # A bias is not the kernel's: such a layer keeps amx_linear.
     assert PackedLinear(_linear_with_blocks(bw, bias=True)).packed_rows is None
+    with pytest.MonkeyPatch.context() as mp:  # the operator's switch
+        mp.setenv(gguf_weights.ROWS_SWITCH, "0")
+        assert PackedLinear(_linear_with_blocks(bw)).packed_rows is None
 
 
 def test_fused_mlp_runs_it_for_small_batches_with_the_same_outputs():
@@ -122,7 +126,7 @@ def test_fused_mlp_runs_it_for_small_batches_with_the_same_outputs():
     mlp_mod = torch.nn.Module()
     mlp_mod.gate_proj, mlp_mod.up_proj, mlp_mod.down_proj = _linear_with_blocks(gate), _linear_with_blocks(up), down
     mlp = FusedMLP(mlp_mod)
-    assert mlp.packed_rows is not None
+    assert mlp.packed_rows.shape == (96, 18, 2, 320) and mlp.kernel == "amx_linear_silu_mul-q4_1"
     g = torch.Generator().manual_seed(5)
     with torch.inference_mode():
         for m in (1, 20, 32):

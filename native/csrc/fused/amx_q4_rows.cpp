@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "bf16_vec.h"
 #include "cpu_isa.h"
@@ -64,8 +65,8 @@ CB_AMX inline void expand_tile(const uint8_t* src, uint16_t* dst) {
     const __m512 tb = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * i + 1]), _mm512_set1_ps(dm[17 + 2 * i]));
     const __m512i table_a = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(ta, ta));
     const __m512i table_b = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(tb, tb));
-    _mm512_store_si512(dst + 64 * i, _mm512_permutexvar_epi16(lo, table_a));
-    _mm512_store_si512(dst + 64 * i + 32, _mm512_permutexvar_epi16(hi, table_b));
+    _mm512_storeu_si512(dst + 64 * i, _mm512_permutexvar_epi16(lo, table_a));
+    _mm512_storeu_si512(dst + 64 * i + 32, _mm512_permutexvar_epi16(hi, table_b));
   }
 }
 
@@ -99,14 +100,29 @@ CB_AMX inline __m512 column(const float* c, int64_t t) {
   return _mm512_i32gather_ps(stride, c + t, 4);
 }
 
-// The epilogue of pair p (column blocks 2p, 2p + 1) from its C tiles
-// acc[token tile][block][16 x 16], for tokens 0 .. M - 1.
-CB_AMX void finish_pair(const float* acc, int64_t p, int64_t M, int64_t N, int64_t silu_inter, uint16_t* y) {
-  for (int64_t tb = 0; tb * kTile < M; ++tb) {
-    const int64_t rows = std::min<int64_t>(kTile, M - tb * kTile);
+// Where a pass's finished tiles go: pair p (column blocks 2p, 2p + 1),
+// tokens m0 .. m0 + rows - 1 (up to 32: two token tiles).
+struct PassOut {
+  int64_t p = -1, m0 = 0, rows = 0;
+};
+
+// The epilogue of one pass from its C tiles acc[token tile][block][16 x 16].
+CB_AMX void finish_pass(const float* acc, const PassOut& out, int64_t N, int64_t silu_inter, uint16_t* y) {
+  for (int64_t tb = 0; tb * kTile < out.rows; ++tb) {
+    const int64_t rows = std::min<int64_t>(kTile, out.rows - tb * kTile);
     const float* c0 = acc + tb * 2 * 256;
     const float* c1 = c0 + 256;
     __m512 g[16], u[16];
+    if (rows > 4 && silu_inter > 0) {
+      // silu(gate) * up is element-wise: on the [feature][token] tiles, then one transpose.
+      for (int i = 0; i < 16; ++i)
+        g[i] = silu_mul(round_bf16(_mm512_load_ps(c0 + 16 * i)), round_bf16(_mm512_load_ps(c1 + 16 * i)));
+      transpose16(g);
+      for (int64_t t = 0; t < rows; ++t)
+        store_bf16(reinterpret_cast<c10::BFloat16*>(y + (out.m0 + tb * kTile + t) * silu_inter + out.p * kTile), g[t],
+                   0xFFFF);
+      continue;
+    }
     if (rows > 4) {
       for (int i = 0; i < 16; ++i) g[i] = _mm512_load_ps(c0 + 16 * i), u[i] = _mm512_load_ps(c1 + 16 * i);
       transpose16(g);
@@ -115,75 +131,114 @@ CB_AMX void finish_pair(const float* acc, int64_t p, int64_t M, int64_t N, int64
       for (int64_t t = 0; t < rows; ++t) g[t] = column(c0, t), u[t] = column(c1, t);
     }
     for (int64_t t = 0; t < rows; ++t) {
-      const int64_t row = tb * kTile + t;
+      const int64_t row = out.m0 + tb * kTile + t;
       if (silu_inter > 0) {
-        store_bf16(reinterpret_cast<c10::BFloat16*>(y + row * silu_inter + p * kTile),
+        store_bf16(reinterpret_cast<c10::BFloat16*>(y + row * silu_inter + out.p * kTile),
                    silu_mul(round_bf16(g[t]), round_bf16(u[t])), 0xFFFF);
       } else {
-        _mm512_storeu_si512(y + row * N + p * 2 * kTile, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(u[t], g[t])));
+        _mm512_storeu_si512(y + row * N + out.p * 2 * kTile,
+                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(u[t], g[t])));
       }
     }
   }
 }
 
-// One thread: pairs claimed `chunk` at a time. Tiles: 0-3 C[token tile][block],
-// 4-5 xᵀ token tiles, 6-7 the pair's two weight tiles of the k-block.
+// One pass: C[token tile][block] over all k-blocks of pair `p`, its weight
+// tiles bf16 in `w` ([k-block][2][tile]; `q` null) or, with `q`, expanded
+// from the pair's packed tiles one k-block ahead into `buf` just before use;
+// xᵀ tiles m-tile `t0` (and t0 + 1 with `two_m`) of each k-block. The
+// previous pass's epilogue runs once this one's tiles are issued (its
+// accumulators have long left the tile stores), and this one becomes `pending`.
+CB_AMX void pair_pass(const uint16_t* w, const uint8_t* q, uint16_t* buf, const uint32_t* xt, int64_t xstep,
+                      int64_t t0, bool two_m, int64_t kblocks, const PassOut& out, float (*acc)[4][256], int& slot,
+                      PassOut& pending, int64_t N, int64_t silu_inter, uint16_t* y) {
+  if (q != nullptr) {
+    expand_tile(q, buf);
+    expand_tile(q + kTileBytes, buf + kTileWords);
+  }
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const uint16_t* a0;
+    if (q != nullptr) {
+      if (kb + 1 < kblocks) {
+        // Three k-blocks ahead, into the next pair near the end (a hint never faults).
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(q) + (kb + 4) * 2 * kTileBytes;
+        for (int64_t l = 0; l < 2 * kTileBytes; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+        uint16_t* nb = buf + ((kb + 1) & 1) * 2 * kTileWords;
+        expand_tile(q + (kb + 1) * 2 * kTileBytes, nb);
+        expand_tile(q + (kb + 1) * 2 * kTileBytes + kTileBytes, nb + kTileWords);
+      }
+      a0 = buf + (kb & 1) * 2 * kTileWords;
+    } else {
+      a0 = w + kb * 2 * kTileWords;
+    }
+    const uint32_t* b = xt + kb * xstep + t0 * 256;
+    _tile_loadd(4, b, 64);
+    _tile_loadd(6, a0, 64);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_loadd(7, a0 + kTileWords, 64);
+    _tile_dpbf16ps(1, 7, 4);
+    if (two_m) {
+      _tile_loadd(5, b + 256, 64);
+      _tile_dpbf16ps(2, 6, 5);
+      _tile_dpbf16ps(3, 7, 5);
+    }
+  }
+  if (pending.p >= 0) finish_pass(&acc[slot ^ 1][0][0], pending, N, silu_inter, y);
+  _tile_stored(0, acc[slot][0], 64);
+  _tile_stored(1, acc[slot][1], 64);
+  _tile_stored(2, acc[slot][2], 64);
+  _tile_stored(3, acc[slot][3], 64);
+  pending = out;
+  slot ^= 1;
+}
+
+// One thread: pairs claimed `chunk` at a time. Up to 32 tokens one pass
+// expands each k-block's tiles just before use; beyond, the claimed run's
+// tiles are expanded once (up to 8 pairs: 288 KB at K = 576, 768 KB at 1536,
+// in L2) and every 32-token pass reads them from there. Tiles: 0-3
+// C[token tile][block], 4-5 xᵀ token tiles, 6-7 the pair's two weight tiles.
 CB_AMX void run_rows(const uint8_t* packed, const uint32_t* xt, int64_t M, int64_t N, int64_t kblocks,
                      int64_t npairs, std::atomic<int64_t>& next, int64_t chunk, int64_t silu_inter, uint16_t* y) {
   const cbserve_amx::TileConfig16x64 cfg;
   _tile_loadconfig(&cfg);
-  alignas(64) uint16_t buf[2][2][kTileWords];
+  alignas(64) uint16_t buf[2 * 2 * kTileWords];
   alignas(64) float acc[2][4][256];
-  const bool two_m = M > kTile;
-  const int64_t xstep = (two_m ? 2 : 1) * 256;  // uint32 per k-block of xᵀ
+  const int64_t tiles_m = (M + kTile - 1) / kTile;
+  const int64_t xstep = tiles_m * 256;  // uint32 per k-block of xᵀ
   const int64_t pair_bytes = kblocks * 2 * kTileBytes;
+  const int64_t pair_words = kblocks * 2 * kTileWords;
+  // Kept per thread between calls: a fresh allocation would be mapped and faulted in every time.
+  thread_local std::vector<uint16_t> run;
+  if (M > 2 * kTile && run.size() < size_t(chunk * pair_words)) run.resize(chunk * pair_words);
   int slot = 0;
-  int64_t pending = -1;
+  PassOut pending;
   for (int64_t p0 = next.fetch_add(chunk, std::memory_order_relaxed); p0 < npairs;
        p0 = next.fetch_add(chunk, std::memory_order_relaxed)) {
     const int64_t p1 = std::min(p0 + chunk, npairs);
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* src = packed + p * pair_bytes;
-      expand_tile(src, buf[0][0]);
-      expand_tile(src + kTileBytes, buf[0][1]);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = 0; kb < kblocks; ++kb) {
-        if (kb + 1 < kblocks) {
-          // Three k-blocks ahead, into the next pair near the end (a hint never faults).
-          const uintptr_t ahead = reinterpret_cast<uintptr_t>(src) + (kb + 4) * 2 * kTileBytes;
-          for (int64_t l = 0; l < 2 * kTileBytes; l += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
-          uint16_t* nb = buf[(kb + 1) & 1][0];
-          expand_tile(src + (kb + 1) * 2 * kTileBytes, nb);
-          expand_tile(src + (kb + 1) * 2 * kTileBytes + kTileBytes, nb + kTileWords);
-        }
-        const uint16_t* a0 = buf[kb & 1][0];
-        _tile_loadd(4, xt + kb * xstep, 64);
-        _tile_loadd(6, a0, 64);
-        _tile_dpbf16ps(0, 6, 4);
-        _tile_loadd(7, a0 + kTileWords, 64);
-        _tile_dpbf16ps(1, 7, 4);
-        if (two_m) {
-          _tile_loadd(5, xt + kb * xstep + 256, 64);
-          _tile_dpbf16ps(2, 6, 5);
-          _tile_dpbf16ps(3, 7, 5);
-        }
-      }
-      // The previous pair's epilogue now, after this pair's tiles were issued:
-      // its accumulators have long left the tile stores.
-      if (pending >= 0) finish_pair(&acc[slot ^ 1][0][0], pending, M, N, silu_inter, y);
-      _tile_stored(0, acc[slot][0], 64);
-      _tile_stored(1, acc[slot][1], 64);
-      _tile_stored(2, acc[slot][2], 64);
-      _tile_stored(3, acc[slot][3], 64);
-      pending = p;
-      slot ^= 1;
+    if (M <= 2 * kTile) {
+      for (int64_t p = p0; p < p1; ++p)
+        pair_pass(nullptr, packed + p * pair_bytes, buf, xt, xstep, 0, M > kTile, kblocks, PassOut{p, 0, M}, acc,
+                  slot, pending, N, silu_inter, y);
+      continue;
     }
+    const uint8_t* src = packed + p0 * pair_bytes;
+    const int64_t tiles = (p1 - p0) * kblocks * 2;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(src) + (t + 6) * kTileBytes;  // a hint only
+      for (int64_t l = 0; l < kTileBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+      expand_tile(src + t * kTileBytes, run.data() + t * kTileWords);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 2 * kTile)
+      for (int64_t p = p0; p < p1; ++p)
+        pair_pass(run.data() + (p - p0) * pair_words, nullptr, buf, xt, xstep, m0 / kTile, m0 + kTile < M, kblocks,
+                  PassOut{p, m0, std::min<int64_t>(2 * kTile, M - m0)}, acc, slot, pending, N, silu_inter, y);
   }
-  if (pending >= 0) finish_pair(&acc[slot ^ 1][0][0], pending, M, N, silu_inter, y);
+  if (pending.p >= 0) finish_pass(&acc[slot ^ 1][0][0], pending, N, silu_inter, y);
   _tile_release();
 }
 #endif
@@ -193,7 +248,7 @@ CB_AMX void run_rows(const uint8_t* packed, const uint32_t* xt, int64_t M, int64
 // pairs (x as uint32 pairs [M][K/2]), zero past the last token: per k-block
 // and token tile a 16 x 16 transpose of 32-bit pairs.
 CB_AMX void build_xt(const uint32_t* xs, int64_t M, int64_t K, uint32_t* xt) {
-  const int64_t pairs_k = K / 2, kblocks = K / kBlockK, tiles_m = M > kTile ? 2 : 1;
+  const int64_t pairs_k = K / 2, kblocks = K / kBlockK, tiles_m = (M + kTile - 1) / kTile;
   for (int64_t kb = 0; kb < kblocks; ++kb)
     for (int64_t tb = 0; tb < tiles_m; ++tb) {
       uint32_t* dst = xt + (kb * tiles_m + tb) * 256;
@@ -229,7 +284,6 @@ torch::Tensor amx_q4_rows_linear(const torch::Tensor& x, const torch::Tensor& pa
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CPU bf16 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(M <= kQ4RowsMaxM, "amx_q4_rows_linear takes at most ", kQ4RowsMaxM, " rows, got ", M);
   TORCH_CHECK(N % (2 * kTile) == 0 && packed.size(0) == N / (2 * kTile) && K % kBlockK == 0 &&
                   packed.size(1) == K / kBlockK,
               "packed does not hold a [", N, ", ", K, "] weight");
@@ -237,7 +291,7 @@ torch::Tensor amx_q4_rows_linear(const torch::Tensor& x, const torch::Tensor& pa
   auto y = torch::empty({M, silu_inter > 0 ? silu_inter : N}, x.options());
   if (M == 0) return y;
 #if CB_FUSED_X86
-  const int64_t kblocks = K / kBlockK, tiles_m = M > kTile ? 2 : 1;
+  const int64_t kblocks = K / kBlockK, tiles_m = (M + kTile - 1) / kTile;
   // xᵀ as AMX B tiles [k-block][token tile][16 k-pairs][16 tokens] of bf16
   // pairs, zero past the last token.
   auto xt_t = torch::empty({kblocks * tiles_m * 256}, x.options().dtype(at::kInt));

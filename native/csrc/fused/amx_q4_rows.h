@@ -1,15 +1,12 @@
-// Q4_1 linear layer for small batches with the weights as AMX's A operand
-// (amx_q4_rows.cpp), bound in fused_ops.cpp.
+// Q4_1 linear layer with the weights as AMX's A operand (amx_q4_rows.cpp),
+// bound in fused_ops.cpp.
 #pragma once
 
 #include <torch/extension.h>
 
 namespace cbserve_fused {
 
-// Most rows of x the kernel takes (two 16-token tiles of xᵀ).
-constexpr int64_t kQ4RowsMaxM = 32;
-
-// y [M, N] = x [M, K] · wᵀ, bf16, M <= 32, with w as Q4_1 blocks in the
+// y [M, N] = x [M, K] · wᵀ, bf16, with w as Q4_1 blocks in the
 // feature-major layout of executor/gguf_weights.py (BlockWeight.pack_rows:
 // uint8 [N/32, K/32, 2, 320], N a multiple of 32), each weight expanded to
 // bf16(d * q + m) exactly as amx_linear expands its blocks. With

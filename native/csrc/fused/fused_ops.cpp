@@ -533,11 +533,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_supported", &cbserve_fused::amx_linear_supported);
   m.def("amx_q4_rows_linear", &cbserve_fused::amx_q4_rows_linear, py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("silu_inter") = 0, py::call_guard<py::gil_scoped_release>(),
-        "x [M, K] @ weight^T in bf16 for M <= 32 rows, weight as Q4_1 blocks in the feature-major layout "
+        "x [M, K] @ weight^T in bf16, weight as Q4_1 blocks in the feature-major layout "
         "(BlockWeight.pack_rows: uint8 [N/32, K/32, 2, 320]) expanded exactly as amx_linear expands them; "
         "with silu_inter > 0, silu(gate) * up [M, silu_inter] of gate|up rows interleaved in blocks of 16. "
         "AMX-BF16 CPUs only.");
   m.def("amx_q4_rows_dequant", &cbserve_fused::amx_q4_rows_dequant, py::arg("packed"),
         "uint8 [N/32, K/32, 2, 320] (BlockWeight.pack_rows) -> the bf16 [N, K] weight amx_q4_rows_linear uses.");
-  m.def("amx_q4_rows_max_rows", []() { return cbserve_fused::kQ4RowsMaxM; });
 }
