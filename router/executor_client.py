@@ -143,8 +143,22 @@ class _StepStream:
         except grpc.aio.AioRpcError as exc:
             self.fail(_step_error(exc))
         except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the call ended under us
-            self.fail(ExecutorUnavailable(f"Step failed: {exc}"))
+            self.fail(await self._why_ended(exc))
         return fut
+
+    async def _why_ended(self, exc: Exception) -> Exception:
+        """What the plans in flight fail with when a write finds the call
+        over: its status, as the reader would report it (a plan the executor
+        rejected ends the stream with INVALID_ARGUMENT: that is a ValueError
+        for the rejected plan, not an executor that went away)."""
+        try:
+            code = await asyncio.wait_for(self.call.code(), 1.0)
+            details = await self.call.details()
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError):
+            return ExecutorUnavailable(f"Step failed: {exc}")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ValueError(f"executor rejected the plan: {details}")
+        return ExecutorUnavailable(f"Step failed: {code.name}: {details}")
 
     async def _read(self) -> None:
         try:
