@@ -118,8 +118,8 @@ def table(rows: list[dict]) -> str:
     lines.append(f"All projections of one model step ({mb['F.linear']:.0f} MB of bf16 weights"
                  + (f", {mb['amx_linear GGUF blocks']:.0f} MB as GGUF blocks" if "amx_linear GGUF blocks" in mb else "")
                  + "), best of the timed loops. '-': not timed (skinny_linear is a decode kernel, "
-                 "the executor runs amx_q4_rows_linear up to 32 rows). 'PackedLinear runs': amx_linear is its blocks variant "
-                 "where the model's GGUF blocks expand exactly to the loaded weights (SmolLM2), its bf16-tile "
-                 "variant otherwise; up to 32 rows such a model's Q4_1 layers run amx_q4_rows_linear instead (the "
-                 "column of that name: those layers on it, the Q8_0 LM head on amx_linear).")
+                 "the executor runs amx_q4_rows_linear up to 32 rows). 'PackedLinear runs': amx_linear is its "
+                 "blocks variant where the model's GGUF blocks expand exactly to the loaded weights (SmolLM2), its "
+                 "bf16-tile variant otherwise; up to 32 rows such a model's Q4_1 layers run amx_q4_rows_linear "
+                 "instead (the column of that name: those layers on it, the Q8_0 LM head on amx_linear).")
     return "\n".join(lines)

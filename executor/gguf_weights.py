@@ -186,8 +186,12 @@ def read_blocks(gguf_path: str, config) -> dict[str, BlockWeight]:
     return out
 
 
+def _switched_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(ENV_SWITCH)
 
 
 def supported() -> bool:
@@ -257,7 +261,7 @@ def packed_rows(blocks: BlockWeight | None, weight: torch.Tensor, what: str) -> 
     """The feature-major Q4_1 layout (BlockWeight.pack_rows) for the
     small-batch kernel where it expands to exactly `weight` (the bf16 [N, K]
     weight in the row order the kernel's caller uses), else None."""
-    if blocks is None or not enabled() or os.environ.get(ROWS_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if blocks is None or not enabled() or not _switched_on(ROWS_SWITCH):
         return None
     packed = blocks.pack_rows()
     if packed is None:
@@ -268,4 +272,3 @@ def packed_rows(blocks: BlockWeight | None, weight: torch.Tensor, what: str) -> 
         return packed
     _LOGGER.warning("GGUF blocks do not expand to the loaded weights; no small-batch Q4_1 kernel", layer=what)
     return None
-

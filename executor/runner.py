@@ -219,7 +219,7 @@ class ModelRunner:
 
 
 def _warm_up_rotary(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Computes the rotary table once before any step. torch's vectorised
+    """Runs the rotary embedding once before any step. torch's vectorised
     fp32 cos can come out less accurate on its first multithreaded call in a
     process (seen here with torch 2.13: one thread's half of a [1, 260, 64]
     table off by up to 1.5e-4, 122 of its 16,640 values different after the
