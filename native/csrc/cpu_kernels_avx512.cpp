@@ -51,33 +51,6 @@ static inline void store16(void* p, int dtype, __m512 x, __mmask16 m) {
   }
 }
 
-// In-register 16x16 fp32 transpose: r[c] <- column c.
-static inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  __m512 u[16];
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-  }
-  // u[4g+k] lane L holds column 4L+k of rows 4g..4g+3.
-  for (int k = 0; k < 4; ++k) {
-    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
-    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-    const __m512 v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
-    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
-    r[0 + k] = _mm512_shuffle_f32x4(v0, w0, 0x88);
-    r[8 + k] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
-    r[4 + k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
-    r[12 + k] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
-  }
-}
-
 struct V {
   using R = __m512;
   static constexpr int W = 16;

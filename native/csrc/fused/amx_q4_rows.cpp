@@ -38,6 +38,8 @@
 
 #if CB_FUSED_X86
 #define CB_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#define CB_HSUM_TARGET CB_AMX
+#include "../avx512_hsum.h"
 #endif
 
 namespace cbserve_fused {
@@ -67,30 +69,6 @@ CB_AMX inline void expand_tile(const uint8_t* src, uint16_t* dst) {
     const __m512i table_b = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(tb, tb));
     _mm512_storeu_si512(dst + 64 * i, _mm512_permutexvar_epi16(lo, table_a));
     _mm512_storeu_si512(dst + 64 * i + 32, _mm512_permutexvar_epi16(hi, table_b));
-  }
-}
-
-// r[0..15] (rows) -> columns, in place: 16 x 16 fp32.
-CB_AMX inline void transpose16(__m512* r) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: column 4L + c of rows 4g .. 4g + 3
-    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-  }
-  for (int h = 0; h < 2; ++h)
-    for (int c = 0; c < 4; ++c) {
-      t[8 * h + c] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
-      t[8 * h + 4 + c] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], 0xDD);
-    }
-  for (int c = 0; c < 8; ++c) {
-    r[c] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88);
-    r[c + 8] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0xDD);
   }
 }
 
