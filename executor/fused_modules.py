@@ -63,12 +63,12 @@ class FusedMLP(torch.nn.Module):
 
             pack, self._gate_up_silu = amx
             # amx_pack_gate_up's row order: gate block j, then up block j (16 rows each).
+            order = torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1)
             blocks = blocks_of(gate, up)
             if blocks is not None:
-                blocks = blocks.rows(torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1))
+                blocks = blocks.rows(order)
             self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
-            k = w.shape[1]
-            self.packed_rows = packed_rows(blocks, w.view(2, -1, 16, k).transpose(0, 1).reshape(-1, k), "gate_up")
+            self.packed_rows = packed_rows(blocks, w[order], "gate_up")
         else:
             fused = torch.nn.Linear(gate.in_features, 2 * self.inter, bias=False, dtype=gate.weight.dtype)
             with torch.no_grad():

@@ -100,12 +100,7 @@ class BlockWeight:
             qt = rows.view(nb, kb, 4, 4, TILE_N).transpose(3, 4).reshape(nb, kb, -1)
         else:
             qt = q.reshape(nb, kb, -1)
-        scales = [self.d] + ([] if self.m is None else [self.m])
-        st = [s.view(nb, TILE_N, kb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in scales]
-        tiles = torch.cat([qt] + st, dim=2)  # [nb, kb, tile bytes]
-        full, tb = nb - nb % 2, tiles.shape[2]
-        pairs = tiles[:full].view(full // 2, 2, kb, tb).transpose(1, 2).reshape(full, kb, tb)
-        return torch.cat([pairs, tiles[full:]]).contiguous()
+        return _pair_major(self._with_scales(qt))
 
     def pack_rows(self) -> torch.Tensor | None:
         """uint8 [N/32, K/32, 2, 320], the feature-major layout
@@ -121,9 +116,24 @@ class BlockWeight:
         nb, kb = n // TILE_N, k // BLOCK
         q = self.q.view(nb, TILE_N // 2, 2, kb, BLOCK)
         qt = (q[:, :, 0] | (q[:, :, 1] << 4)).permute(0, 2, 1, 3).reshape(nb, kb, -1)  # [nb, kb, 8 x 32]
-        st = [s.view(nb, TILE_N, kb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in (self.d, self.m)]
-        tiles = torch.cat([qt] + st, dim=2)  # [nb, kb, 320]
-        return tiles.view(nb // 2, 2, kb, -1).transpose(1, 2).contiguous()
+        return _pair_major(self._with_scales(qt)).view(nb // 2, kb, 2, -1)
+
+    def _with_scales(self, qt: torch.Tensor) -> torch.Tensor:
+        """[nb, kb, tile bytes]: each tile's q bytes `qt` [nb, kb, *], then
+        its 16 fp16 d (and 16 m), one per feature of the column block."""
+        nb, kb = qt.shape[:2]
+        scales = [self.d] + ([] if self.m is None else [self.m])
+        st = [s.view(nb, TILE_N, kb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in scales]
+        return torch.cat([qt] + st, dim=2)
+
+
+def _pair_major(tiles: torch.Tensor) -> torch.Tensor:
+    """Tiles [nb, kb, bytes] stored pair-major: column blocks 2p and 2p + 1
+    alternate k-block by k-block, an odd last block follows alone."""
+    nb, kb, tb = tiles.shape
+    full = nb - nb % 2
+    pairs = tiles[:full].view(full // 2, 2, kb, tb).transpose(1, 2).reshape(full, kb, tb)
+    return torch.cat([pairs, tiles[full:]]).contiguous()
 
 
 # Bytes of one packed tile (BlockWeight.pack) -> the block kind it holds.
