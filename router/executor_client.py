@@ -116,9 +116,14 @@ class ExecutorClient:
 
 
 def _step_error(exc: grpc.aio.AioRpcError) -> Exception:
-    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(f"executor rejected the plan: {exc.details()}")
-    return ExecutorUnavailable(f"Step failed: {exc.code().name}: {exc.details()}")
+    return _status_error(exc.code(), exc.details())
+
+
+def _status_error(code: grpc.StatusCode, details: str) -> Exception:
+    """What a plan fails with when its call ended with this status."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(f"executor rejected the plan: {details}")
+    return ExecutorUnavailable(f"Step failed: {code.name}: {details}")
 
 
 class _StepStream:
@@ -156,9 +161,7 @@ class _StepStream:
             details = await self.call.details()
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError):
             return ExecutorUnavailable(f"Step failed: {exc}")
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ValueError(f"executor rejected the plan: {details}")
-        return ExecutorUnavailable(f"Step failed: {code.name}: {details}")
+        return _status_error(code, details)
 
     async def _read(self) -> None:
         try:
