@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.targets import alone_rows, evaluate, limits_text  # noqa: E402
+from bench.targets import alone_rows, evaluate, limits_text, phase_rows  # noqa: E402
 
 # Row order of the classic table.
 SYSTEM_ORDER = ["hf-static", "hf-cb", "vllm-cpu", "cbserve-static", "cbserve-dynamic", "cbserve-fcfs"]
@@ -293,6 +293,19 @@ def alone_table(results: dict) -> str:
                    "server / alone"], rows)
 
 
+def phase_table(results: dict) -> str:
+    """Where the executor-alone batch-64 decode step goes, call by call
+    (bench/standalone.phase_profile: the lean forward's calls and the LM head
+    wrapped in timers, summed per phase over the decode steps; the rest is
+    what the untimed steps take beyond them), each phase against its roof
+    where it has one: the matmuls at the roofline's F.linear time of the same
+    shapes over all layers, attention at the batch's K/V read once at the
+    stream bandwidth."""
+    rows = [[r["label"], _fmt(r["ms"], 2), _share(r["share"]), _fmt(r["roof_ms"], 2),
+             _fmt(r["ms"] / r["roof_ms"], 2) if r["roof_ms"] else "–"] for r in phase_rows(results)]
+    return _table(["phase", "ms per step", "share of step", "roof ms", "× roof"], rows) if rows else ""
+
+
 def targets_table(rows: list[dict]) -> str:
     return _table(["target", "measured in this run", "status"],
                   [[r["target"], r["measured"], r["status"]] for r in rows])
@@ -353,6 +366,9 @@ def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks
                   " ".join(overhead_table.__doc__.split()), "", overhead_table(results["overheads"]), ""]
     if results.get("standalone"):
         lines += ["## The executor alone", "", " ".join(alone_table.__doc__.split()), "", alone_table(results), ""]
+        phases = phase_table(results)
+        if phases:
+            lines += [" ".join(phase_table.__doc__.split()), "", phases, ""]
     targets = evaluate(results)
     if targets:
         lines += ["## Targets", "", targets_table(targets), ""] + [p + "\n" for p in limits_text(results)]

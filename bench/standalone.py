@@ -13,6 +13,8 @@ prefilled whole, then one token per sequence per step.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from typing import Callable
 
 import torch
 
@@ -37,10 +39,11 @@ def _prefill_plan(step_id: int, seq_ids: range, prompt_len: int, blocks_per_seq:
 
 
 def measure_runner(runner: ModelRunner, batch: int, prompt_len: int, decode_tokens: int, seed: int = 0,
-                   prefill_seqs_per_step: int = 4) -> dict:
+                   prefill_seqs_per_step: int = 4, on_decode: Callable[[], None] | None = None) -> dict:
     """Prefills `batch` random prompts, then times `decode_tokens` - 1 decode
-    steps of the whole batch (the first sampled token comes from the prefill).
-    Returns tokens/s and the mean step time."""
+    steps of the whole batch (the first sampled token comes from the prefill;
+    `on_decode` is called between the two). Returns tokens/s and the mean
+    step time."""
     vocab = int(runner.config.vocab_size)
     blocks_per_seq = -(-(prompt_len + decode_tokens) // runner.block_size)
     if batch * blocks_per_seq > runner.kv.num_blocks:
@@ -53,6 +56,8 @@ def measure_runner(runner: ModelRunner, batch: int, prompt_len: int, decode_toke
         step += 1
         ids = range(first, min(batch, first + prefill_seqs_per_step))
         runner.step(_prefill_plan(step, ids, prompt_len, blocks_per_seq, gen, vocab))
+    if on_decode is not None:
+        on_decode()
     decode = pb.Plan()
     for sid in range(batch):
         decode.seqs.add(seq_id=sid, num_tokens=1)
@@ -71,6 +76,81 @@ def measure_runner(runner: ModelRunner, batch: int, prompt_len: int, decode_toke
             "forward_ms": 1e3 * forward / steps}
 
 
+# The lean forward's calls per layer, by phase (executor/fast_forward.py).
+PHASES = ("qkv", "rope_cache", "attention", "o_proj", "add_rms_norm", "gate_up", "down", "lm_head")
+
+
+class _PhaseClock:
+    """Wall time of wrapped calls by phase, counted only while `on`."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seconds: Counter[str] = Counter()
+
+    def start(self) -> None:
+        self.seconds.clear()
+        self.on = True
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - t0
+        return timed
+
+
+def phase_profile(runner: ModelRunner, batch: int, prompt_len: int = 128, decode_tokens: int = 48,
+                  seed: int = 0) -> dict | None:
+    """Where the decode steps of measure_runner go: the wall time of each of
+    the lean forward's calls and of the LM head (the kernels run synchronously
+    on the CPU), summed by phase and per step; 'rest' is what the same steps
+    take beyond them untimed (embedding, final norm, step metadata and the
+    Python between the calls; the timers' own ~1 us a call is left out that
+    way). None where the runner has no lean forward (not a bf16 Llama on an
+    AVX-512 bf16 CPU)."""
+    fw = runner.lean
+    if fw is None:
+        return None
+    untimed = measure_runner(runner, batch, prompt_len, decode_tokens, seed)
+    clock = _PhaseClock()
+    head = runner.model.lm_head
+    saved_layers = [(L.qkv, L.o_proj, L.act, L.down) for L in fw.layers]
+    saved = (fw._add_rms_norm, fw._rope_cache, fw._rope_split, runner.ops)
+    saved_head = {k: head.__dict__[k] for k in ("forward", "greedy_argmax") if k in head.__dict__}
+    try:
+        for L in fw.layers:
+            L.qkv, L.o_proj = clock.wrap("qkv", L.qkv), clock.wrap("o_proj", L.o_proj)
+            L.act, L.down = clock.wrap("gate_up", L.act), clock.wrap("down", L.down)
+        fw._add_rms_norm = clock.wrap("add_rms_norm", fw._add_rms_norm)
+        fw._rope_cache = clock.wrap("rope_cache", fw._rope_cache)
+        fw._rope_split = clock.wrap("rope_cache", fw._rope_split)
+        # (The cache write stays unwrapped: the lean forward fuses it into the
+        # rotary pass only when it is the native backend's own function.)
+        write, attend = runner.ops
+        runner.ops = (write, clock.wrap("attention", attend))
+        head.forward = clock.wrap("lm_head", head.forward)
+        if hasattr(head, "greedy_argmax"):
+            head.greedy_argmax = clock.wrap("lm_head", head.greedy_argmax)
+        timed = measure_runner(runner, batch, prompt_len, decode_tokens, seed, on_decode=clock.start)
+    finally:
+        clock.on = False
+        for L, (qkv, o, act, down) in zip(fw.layers, saved_layers):
+            L.qkv, L.o_proj, L.act, L.down = qkv, o, act, down
+        fw._add_rms_norm, fw._rope_cache, fw._rope_split, runner.ops = saved
+        for k in ("forward", "greedy_argmax"):
+            head.__dict__.pop(k, None)
+        head.__dict__.update(saved_head)
+    steps = timed["decode_steps"]
+    phases = {ph: 1e3 * clock.seconds[ph] / steps for ph in PHASES}
+    phases["rest"] = max(0.0, untimed["step_ms"] - sum(phases.values()))
+    return {"batch": batch, "mean_context": untimed["mean_context"], "step_ms": untimed["step_ms"],
+            "timed_step_ms": timed["step_ms"], "phases_ms": phases}
+
+
 def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_tokens: int = 48,
             model: str | None = None, dtype: str = "bfloat16", seed: int = 0) -> dict:
     """Loads the model as the executor does (same kernels, same attention
@@ -83,7 +163,8 @@ def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_to
     measure_runner(runner, min(batches), prompt_len, min(decode_tokens, 4), seed)  # warm-up
     rows = [measure_runner(runner, b, prompt_len, decode_tokens, seed) for b in batches]
     return {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows,
-            "weight_bytes": decode_weight_bytes(runner)}
+            "weight_bytes": decode_weight_bytes(runner),
+            "phases": phase_profile(runner, max(batches), prompt_len, decode_tokens, seed)}
 
 
 def _decode_weights(runner: ModelRunner) -> list[torch.Tensor]:

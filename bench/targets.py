@@ -131,6 +131,76 @@ def alone_rows(results: dict) -> list[dict]:
     return out
 
 
+# Phases of a decode step (bench/standalone.PHASES, plus 'rest') and the
+# roofline's projections each one runs: their F.linear time at the step's
+# batch, over all layers, is that phase's compute roof.
+PHASE_ROOF = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+              "down": ("down_proj",), "lm_head": ("lm_head",)}
+PHASE_LABEL = {"qkv": "q/k/v projection", "rope_cache": "rotary + K/V cache write", "attention": "attention",
+               "o_proj": "o_proj", "add_rms_norm": "residual add + RMSNorm", "gate_up": "gate/up + SiLU-mul",
+               "down": "down_proj", "lm_head": "LM head (+ greedy argmax)",
+               "rest": "the rest (embedding, final norm, step metadata, Python)"}
+
+
+def phase_rows(results: dict, dtype: str = "bfloat16") -> list[dict]:
+    """The executor-alone decode step (the profiled batch) by phase, each
+    against its roof where it has one: matmuls at the roofline's F.linear time
+    of the same shapes, attention at the batch's K/V read once at the stream
+    bandwidth. Empty without a phase profile."""
+    alone = results.get("standalone") or {}
+    prof = alone.get("phases")
+    if not prof or alone.get("dtype") != dtype:
+        return []
+    roof = results.get("roofline") or {}
+    calls = {m["name"]: m for m in roof.get("matmuls", []) if m["dtype"] == dtype and m["m"] == prof["batch"]}
+    gb_s = roof.get("stream_gb_s")
+    rows = []
+    for phase, ms in prof["phases_ms"].items():
+        floor = None
+        names = PHASE_ROOF.get(phase)
+        if names and all(n in calls for n in names):
+            floor = sum(calls[n]["ms"] * calls[n]["calls_per_step"] for n in names)
+        elif phase == "attention" and gb_s:
+            floor = 1e3 * step_bytes(prof["batch"], round(prof["mean_context"]), dtype, weight_bytes=0) / (gb_s * 1e9)
+        rows.append({"phase": phase, "label": PHASE_LABEL.get(phase, phase), "ms": ms,
+                     "share": ms / prof["step_ms"], "roof_ms": floor})
+    return rows
+
+
+def _phase_sentence(results: dict, dtype: str, b: dict) -> str:
+    """The alone step against its phases' roofs (the phase table's numbers)."""
+    rows = phase_rows(results, dtype)
+    prof = (results.get("standalone") or {}).get("phases")
+    att = next((r for r in rows if r["phase"] == "attention"), None)
+    if not rows or att is None or att["roof_ms"] is None or not b.get("roofline_bound_tok_s"):
+        return ""
+    mm = [r for r in rows if r["phase"] in PHASE_ROOF and r["roof_ms"] is not None]
+    rest = [r for r in rows if r is not att and r not in mm]
+    other = sum(r["ms"] for r in rest)
+    target_ms = 1e3 * prof["batch"] / (ROOFLINE_SHARE * b["roofline_bound_tok_s"])
+    floor = sum(r["roof_ms"] for r in mm) + att["roof_ms"] + other
+    over = sorted(((r["ms"] - r["roof_ms"], r["label"]) for r in [*mm, att]), reverse=True)
+    over_text = ", ".join(f"{label} by {ms:.1f} ms" for ms, label in over if ms >= 0.05)
+    if floor > target_ms:
+        verdict = (f"even with every matmul and attention at its roof (the rest as it is) the step would take "
+                   f"{floor:.1f} ms, so the target needs attention below its K/V stream")
+    else:
+        verdict = (f"with every matmul and attention at its roof (the rest as it is) the step would take "
+                   f"{floor:.1f} ms, which "
+                   f"leaves {target_ms - floor:.1f} ms above the roofs in all, against "
+                   f"{att['ms'] - att['roof_ms']:.1f} ms for attention alone")
+    return (f" Where the alone step goes (the phase table; {prof['step_ms']:.1f} ms a step): the matmuls "
+            f"{sum(r['ms'] for r in mm):.1f} ms against {sum(r['roof_ms'] for r in mm):.1f} ms for F.linear at "
+            f"the same shapes, attention {att['ms']:.1f} ms against {att['roof_ms']:.1f} ms for reading the "
+            f"batch's K/V once at the stream bandwidth, norms, rotary, cache writes and the rest {other:.1f} ms. "
+            f"Above their roofs: {over_text or 'none'}. {100 * ROOFLINE_SHARE:.0f} % of the bound is "
+            f"{target_ms:.1f} ms a step; {verdict}. Attention is a K/V stream, not arithmetic: on AMX tiles (tried "
+            f"here: K straight from the cache as the tile rows, P.V with bf16 P) the kernel ran 17 % faster on K/V "
+            f"in cache and no faster from memory, and the whole step 5 % slower, so it was dropped; what would "
+            f"take attention below its stream is fewer bytes per cached token (an 8-bit KV cache halves the "
+            f"{att['roof_ms']:.1f} ms, a change of numerics cbserve does not make by default).")
+
+
 def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
     """What limits the missed targets, in this run's numbers (paragraphs)."""
     out = []
@@ -171,10 +241,8 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
             f"Decode at batch 64: the executor alone (same batch, prompts and contexts, no router, gRPC or load "
             f"generator) runs {big['decode_tok_s']:.0f} tok/s = {100 * b.get('alone_roofline_share', math.nan):.1f} % "
             f"of the roofline bound; in the server {b.get('cbserve_decode_tok_s', math.nan):.0f} tok/s = "
-            f"{100 * b['roofline_share']:.1f} %.{roofs} Alone, the step also streams the batch's K/V through "
-            f"attention, which the compute roof leaves out, and its matmuls at 64 rows do not overlap the AMX "
-            f"arithmetic with the weight stream (tried here: one pass over all 64 rows, software prefetch of the "
-            f"next run — neither was faster). In the server the router and the load generator use "
+            f"{100 * b['roofline_share']:.1f} %.{roofs}{_phase_sentence(results, dtype, b)} In the server the "
+            f"router and the load generator use "
             f"{side:.1f} ms of CPU per {1e3 * (ov.get('iteration_mean_s') or math.nan):.0f} ms iteration on the "
             f"same two cores (the overhead table), and the step loses more than that CPU: sampled with perf "
             f"(batch-64 decode at contexts ~250-450, 8 s), the executor's two threads ran on "
@@ -185,10 +253,11 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
             f"was slower, -6 to -11 % and -23 to -25 %, as every barrier then pays a wake-up), and the same "
             f"kernels take longer after each switch (caches and TLBs refilled){split}. Running the side processes at SCHED_IDLE "
             f"(only where a core would idle) did not help (batch-64 decode at contexts 200-300: 48-50 ms a step "
-            f"either way): their work then waits for the step to end. Block placement adds to it: the router hands "
-            f"blocks out from anywhere in the pool, and alone a step over blocks scattered across 2,912 is ~10 % "
-            f"slower than over consecutive ones even on huge pages (34.5 against 31.1 ms at context 152; 4 KB "
-            f"pages: 36.9 against 34.2). Profiled with perf, the "
+            f"either way): their work then waits for the step to end. Pinning the router and the load generator to "
+            f"one core did not help either (1,543-1,617 against 1,644-1,729 tok/s). Block placement is not it: "
+            f"the block tables the router built for this batch after the classic runs (recorded from a server) "
+            f"run alone as fast as consecutive blocks (30.4 against 30.4 ms a step), although blocks scattered "
+            f"at random across the 2,912 would cost ~9 % (33.2 ms). Profiled with perf, the "
             f"router's CPU is about 40 % Python, 30 % kernel thread switches and socket calls and 15 % gRPC's C "
             f"core: one gRPC message per streamed token and request.")
     if one and one.get("memory_roof_share") is not None and big:
@@ -207,7 +276,7 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
                      "amx_q4_rows_linear: per 64 weights one widening, one shift, two FMAs, two conversions, two "
                      "table lookups and two stores, ~1.5x cheaper than amx_linear's expansion, which larger "
                      "batches run); what would raise these ratios is cheaper expansion still (or int8 arithmetic, "
-                     "which changes the numerics), and at batch 64 the overlap above.")
+                     "which changes the numerics), and at batch 64 the phases above.")
         out.append(
             f"A batch-1 step reads {one['step_mb']:.0f} MB (weights as stored, plus K/V) in {one['step_ms']:.1f} ms "
             f"alone, {100 * share:.0f} % of the stream bandwidth measured here; a batch-64 step "

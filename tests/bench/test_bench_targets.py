@@ -9,7 +9,7 @@ import torch
 from bench import standalone
 from bench.report import render_report
 from bench.roofline import param_count, step_bytes
-from bench.targets import alone_rows, attach_alone, evaluate, limits_text
+from bench.targets import alone_rows, attach_alone, evaluate, limits_text, phase_rows
 from executor.model_loader import load_model
 from executor.model_source import resolve
 from executor.runner import ModelRunner
@@ -139,3 +139,87 @@ def test_standalone_runner_measures_decode_steps():
     with pytest.raises(ValueError, match="need 16 blocks"):
         standalone.measure_runner(runner, batch=4, prompt_len=40, decode_tokens=9)
     assert not math.isnan(out["step_ms"])
+
+
+def _with_phases(res, attention=11.0, rest=3.0):
+    """A phase profile of the batch-64 step and the roofline's F.linear times."""
+    ms = {"q_proj": 0.05, "k_proj": 0.03, "v_proj": 0.03, "o_proj": 0.05, "gate_proj": 0.1, "up_proj": 0.1,
+          "down_proj": 0.1, "lm_head": 3.0}
+    res["roofline"]["matmuls"] = [{"name": n, "m": 64, "k": 576, "n": 576, "dtype": "bfloat16", "ms": v,
+                                   "gflops": 500.0, "calls_per_step": 1 if n == "lm_head" else 30}
+                                  for n, v in ms.items()]
+    res["roofline"]["matmuls"].append({"name": "q_proj", "m": 64, "k": 576, "n": 576, "dtype": "float32", "ms": 9.0,
+                                       "gflops": 50.0, "calls_per_step": 30})
+    phases = {"qkv": 3.0, "rope_cache": 0.5, "attention": attention, "o_proj": 2.0, "add_rms_norm": 1.0,
+              "gate_up": 6.0, "down": 3.0, "lm_head": 3.0, "rest": rest}
+    res["standalone"]["phases"] = {"batch": 64, "mean_context": 152.5, "step_ms": sum(phases.values()),
+                                   "timed_step_ms": sum(phases.values()), "phases_ms": phases}
+    return res
+
+
+def test_phase_rows_put_each_phase_against_its_roof():
+    res = _with_phases(_results())
+    rows = {r["phase"]: r for r in phase_rows(res)}
+    assert list(rows) == ["qkv", "rope_cache", "attention", "o_proj", "add_rms_norm", "gate_up", "down", "lm_head",
+                          "rest"]
+    assert rows["qkv"]["roof_ms"] == pytest.approx(30 * (0.05 + 0.03 + 0.03))
+    assert rows["gate_up"]["roof_ms"] == pytest.approx(6.0) and rows["lm_head"]["roof_ms"] == pytest.approx(3.0)
+    # Attention: the batch's K/V at the mean context, read once at the stream bandwidth.
+    kv = step_bytes(64, 152, "bfloat16", weight_bytes=0)
+    assert rows["attention"]["roof_ms"] == pytest.approx(1e3 * kv / 23.5e9)
+    assert rows["rest"]["roof_ms"] is None and rows["add_rms_norm"]["roof_ms"] is None
+    assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0)
+    # Another dtype, or no profile: no rows.
+    assert phase_rows(res, "float32") == []
+    del res["standalone"]["phases"]
+    assert phase_rows(res) == []
+
+
+def test_limits_text_weighs_the_phases_against_the_target():
+    res = _with_phases(_results())
+    attach_alone(res)
+    text = " ".join(limits_text(res))
+    att_roof = 1e3 * step_bytes(64, 152, "bfloat16", weight_bytes=0) / 23.5e9
+    # 60 % of the 3000 tok/s bound: 35.6 ms a step; matmuls + attention at their roofs plus the rest as measured.
+    floor = 30 * 0.11 + 1.5 + 6.0 + 3.0 + 3.0 + att_roof + (0.5 + 1.0 + 3.0)
+    target = 1e3 * 64 / (0.6 * 3000.0)
+    assert f"60 % of the bound is {target:.1f} ms a step" in text
+    assert f"would take {floor:.1f} ms, which leaves {target - floor:.1f} ms above the roofs" in text
+    assert f"attention by {11.0 - att_roof:.1f} ms, o_proj by 0.5 ms" in text
+    assert "q/k/v projection by" not in text  # below its roof
+    # A slower rest: the roofs alone no longer reach the target.
+    res = _with_phases(_results(), rest=12.0)
+    attach_alone(res)
+    text = " ".join(limits_text(res))
+    assert "so the target needs attention below its K/V stream" in text
+
+
+def test_report_has_the_phase_table(tmp_path):
+    res = _with_phases(_results())
+    attach_alone(res)
+    res["runs"] = []
+    res["roofline"]["bounds"][0].update(gflops_weighted=900.0, decode_bound_tok_s=3400.0)
+    md = render_report(res, tmp_path).read_text()
+    assert "| attention | 11.00 |" in md and "| LM head (+ greedy argmax) | 3.00 |" in md
+    assert "| gate/up + SiLU-mul | 6.00 | 18.5 % | 6.00 | 1.00 |" in md
+    del res["standalone"]["phases"]
+    assert "LM head (+ greedy argmax)" not in render_report(res, tmp_path).read_text()
+
+
+def test_phase_profile_times_a_real_runner_and_puts_everything_back():
+    model = load_model(resolve("tiny"), torch.bfloat16, torch.device("cpu"))
+    runner = ModelRunner(model, standalone.BLOCK_SIZE, num_blocks=4 * 3)
+    if runner.lean is None:
+        assert standalone.phase_profile(runner, batch=4, prompt_len=20, decode_tokens=9) is None
+        pytest.skip("no lean forward on this CPU (bf16 fused Llama blocks need AVX-512 bf16)")
+    before = ([(L.qkv, L.o_proj, L.act, L.down) for L in runner.lean.layers], runner.ops,
+              runner.lean._add_rms_norm, runner.lean._rope_cache, dict(runner.model.lm_head.__dict__))
+    prof = standalone.phase_profile(runner, batch=4, prompt_len=20, decode_tokens=9)
+    assert prof["batch"] == 4 and prof["mean_context"] == 25.0
+    assert set(prof["phases_ms"]) == set(standalone.PHASES) | {"rest"}
+    assert all(prof["phases_ms"][p] > 0 for p in standalone.PHASES)
+    assert sum(prof["phases_ms"].values()) >= prof["step_ms"] - 1e-9
+    after = ([(L.qkv, L.o_proj, L.act, L.down) for L in runner.lean.layers], runner.ops,
+             runner.lean._add_rms_norm, runner.lean._rope_cache, dict(runner.model.lm_head.__dict__))
+    assert after == before
+    assert len(runner.state.seqs) == 0
