@@ -92,6 +92,8 @@ def test_limits_text_explains_only_missed_targets_with_run_numbers():
     assert "1800 tok/s = 60.0 %" in text and "1500 tok/s = 50.0 %" in text and "7.1 ms of CPU per 54 ms" in text
     assert "ITL p50 18.0 ms against 12.8 ms" in text
     assert "the bound is 2319 tok/s: alone 78 %, in the server 65 % of it" in text
+    # The side processes' CPU shared perfectly over the two cores: 35.0 + 7.1 / 2 ms a step.
+    assert "the 35.0 ms step alone 38.5 ms in the server (1660 tok/s, 55.3 % of the bound)" in text
     # 1800 / 1500: a 20 % longer served step, within what the CPU share and the waiting explain.
     assert "on 1.78 cores in the server" in text and "longer served step of this run" not in text
     res = _results(server64=1300.0)
