@@ -197,8 +197,11 @@ def _phase_sentence(results: dict, dtype: str, b: dict) -> str:
             f"{target_ms:.1f} ms a step; {verdict}. Attention is a K/V stream, not arithmetic: on AMX tiles (tried "
             f"here: K straight from the cache as the tile rows, P.V with bf16 P) the kernel ran 17 % faster on K/V "
             f"in cache and no faster from memory, and the whole step 5 % slower, so it was dropped; what would "
-            f"take attention below its stream is fewer bytes per cached token (an 8-bit KV cache halves the "
-            f"{att['roof_ms']:.1f} ms, a change of numerics cbserve does not make by default).")
+            f"take attention below its stream is fewer bytes per cached token: an 8-bit KV cache (a change of "
+            f"numerics cbserve does not make by default) halves the {att['roof_ms']:.1f} ms, and at this run's "
+            f"attention speed would make the alone step {prof['step_ms'] - att['ms'] / 2:.1f} ms "
+            f"({100 * prof['batch'] * 1e3 / (prof['step_ms'] - att['ms'] / 2) / b['roofline_bound_tok_s']:.0f} % "
+            f"of the bound).")
 
 
 def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:

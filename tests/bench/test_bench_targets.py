@@ -189,6 +189,8 @@ def test_limits_text_weighs_the_phases_against_the_target():
     assert f"would take {floor:.1f} ms, which leaves {target - floor:.1f} ms above the roofs" in text
     assert f"attention by {11.0 - att_roof:.1f} ms, o_proj by 0.5 ms" in text
     assert "q/k/v projection by" not in text  # below its roof
+    # Half the K/V bytes at this run's attention speed: 32.5 - 11.0 / 2 ms, against the 3000 tok/s bound.
+    assert "would make the alone step 27.0 ms (79 % of the bound)" in text
     # A slower rest: the roofs alone no longer reach the target.
     res = _with_phases(_results(), rest=12.0)
     attach_alone(res)
