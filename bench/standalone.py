@@ -76,7 +76,8 @@ def measure_runner(runner: ModelRunner, batch: int, prompt_len: int, decode_toke
             "forward_ms": 1e3 * forward / steps}
 
 
-# The lean forward's calls per layer, by phase (executor/fast_forward.py).
+# A decode step's timed calls by phase: the lean forward's per layer
+# (executor/fast_forward.py), then the LM head.
 PHASES = ("qkv", "rope_cache", "attention", "o_proj", "add_rms_norm", "gate_up", "down", "lm_head")
 
 

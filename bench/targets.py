@@ -175,8 +175,7 @@ def _phase_sentence(results: dict, dtype: str, b: dict) -> str:
     if not rows or att is None or att["roof_ms"] is None or not b.get("roofline_bound_tok_s"):
         return ""
     mm = [r for r in rows if r["phase"] in PHASE_ROOF and r["roof_ms"] is not None]
-    rest = [r for r in rows if r is not att and r not in mm]
-    other = sum(r["ms"] for r in rest)
+    other = sum(r["ms"] for r in rows if r is not att and r not in mm)  # norms, rotary, cache write, rest
     target_ms = 1e3 * prof["batch"] / (ROOFLINE_SHARE * b["roofline_bound_tok_s"])
     floor = sum(r["roof_ms"] for r in mm) + att["roof_ms"] + other
     over = sorted(((r["ms"] - r["roof_ms"], r["label"]) for r in [*mm, att]), reverse=True)
