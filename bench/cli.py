@@ -124,7 +124,7 @@ def cmd_suite(a) -> int:
                     num_requests=a.num_requests, caps=a.caps, dtypes=tuple(a.dtypes.split(",")) if a.dtypes else None,
                     rates=a.rates, seed=a.seed, results_dir=a.results_dir, cbserve_model=a.model,
                     roofline=not a.no_roofline, overheads=not a.no_overheads, rate_sweep=not a.no_rate_sweep,
-                    progress=not a.no_progress, budget_min=a.budget_min,
+                    progress=not a.no_progress, budget_min=a.budget_min, repeats=a.repeats,
                     command="python -m bench " + " ".join(map(shlex.quote, a.argv)))
     page = "benchmarks-full.md" if a.full else "benchmarks.md"
     print(f"wrote {Path(a.out) / page} in {res['suite_seconds'] / 60:.1f} min")
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-overheads", action="store_true")
     s.add_argument("--no-rate-sweep", action="store_true")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="run every classic workload this many times per system (new prompts each time); "
+                        "the tables show the median run")
     s.add_argument("--budget-min", type=float, default=None,
                    help="skip the systems not yet started once this many minutes have passed")
     s.set_defaults(fn=cmd_suite)

@@ -68,6 +68,23 @@ def _runs_by(runs: list[dict], dtype: str | None = None) -> dict[tuple[str, int]
     return out
 
 
+def spread_table(runs: list[dict], dtype: str) -> str:
+    """Every repeat's output tokens/s (min / median / max over the repeats;
+    the throughput table shows the median run). Empty for a single run."""
+    by = _runs_by(runs, dtype)
+    if not any(r.get("repeat_tok_s") for r in by.values()):
+        return ""
+    caps = sorted({c for (_, c) in by})
+    rows = []
+    for sys_ in _order(s for (s, _) in by):
+        row = [SYSTEM_LABELS.get(sys_, sys_)]
+        for c in caps:
+            v = sorted((by.get((sys_, c)) or {}).get("repeat_tok_s") or [])
+            row.append(f"{_fmt(v[0])} / {_fmt(v[(len(v) - 1) // 2])} / {_fmt(v[-1])} ({len(v)})" if v else "–")
+        rows.append(row)
+    return _table(["system"] + [f"tok/s cap {c}: min / median / max (runs)" for c in caps], rows)
+
+
 def throughput_table(runs: list[dict], dtype: str) -> str:
     by = _runs_by(runs, dtype)
     caps = sorted({c for (_, c) in by})
@@ -335,6 +352,9 @@ def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks
         lines += ["## Continuous vs static batching (the classic experiment, scaled for CPU)", ""]
         for dt in dtypes:
             lines += [f"### Output tokens/s, {dt}", "", throughput_table(runs, dt), ""]
+            spread = spread_table(runs, dt)
+            if spread:
+                lines += [" ".join(spread_table.__doc__.split()), "", spread, ""]
         p = plot_throughput_vs_cap(runs, out / f"{plot_prefix}throughput_vs_cap.png")
         lines += [f"![throughput vs cap]({p.name})", ""]
         for dt in dtypes:

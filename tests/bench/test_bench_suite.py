@@ -79,3 +79,59 @@ def test_cpu_per_iteration():
     assert cpu_per_iteration({"meta": {"cpu_s": {"router": None, "executor": None, "client": 0.1}},
                               "metrics": run["metrics"]}) == {}
     assert cpu_per_iteration({"meta": run["meta"], "metrics": {}}) == {}
+
+
+def test_median_runs_picks_the_middle_repeat_and_keeps_the_rest():
+    from bench.suite import median_runs
+
+    def run(system, cap, tok_s, repeat, error=""):
+        return {"system": system, "dtype": "bfloat16", "cap": cap, "repeat": repeat, "error": error,
+                "summary": {"output_tokens_per_s": tok_s}}
+
+    runs = [run("a", 32, 10.0, 0), run("a", 32, 30.0, 1), run("a", 32, 20.0, 2),
+            run("b", 32, 5.0, 0), run("b", 32, 7.0, 1, error="boom"), run("b", 32, 6.0, 2), run("c", 32, 1.0, 0)]
+    chosen, others = median_runs(runs)
+    by = {r["system"]: r for r in chosen}
+    assert [r["system"] for r in chosen] == ["a", "b", "c"]
+    assert by["a"]["repeat"] == 2 and by["a"]["repeat_tok_s"] == [10.0, 20.0, 30.0]
+    # Failed repeats do not count; of an even count the lower middle stands for the group.
+    assert by["b"]["repeat"] == 0 and by["b"]["repeat_tok_s"] == [5.0, 6.0]
+    assert "repeat_tok_s" not in by["c"]
+    assert sorted((r["system"], r["repeat"]) for r in others) == [("a", 0), ("a", 1), ("b", 1), ("b", 2)]
+
+
+def test_suite_repeats_with_new_prompts_and_reports_the_median(tmp_path, monkeypatch):
+    seen = {}
+    calls = {}
+
+    def slower_each_time(system, workloads, *, dtype, **kw):
+        out = _fake_run_system(system, workloads, dtype=dtype, **kw)
+        for w, r in zip(workloads, out):
+            seen.setdefault(system, []).append((w.spec.cap, w.spec.seed, tuple(w.requests[0].prompt_ids)))
+            k = calls[(system, w.spec.cap)] = calls.get((system, w.spec.cap), 0) + 1
+            if w.spec.rate is None and w.spec.output_dist == "exponential":
+                r["summary"]["output_tokens_per_s"] = 100.0 * k  # repeat 1, 2, 3: 100, 200, 300 tok/s
+        return out
+
+    monkeypatch.setattr(bench.standalone, "measure", _fake_alone)
+    monkeypatch.setattr(bench.runner, "run_system", slower_each_time)
+    monkeypatch.setattr(bench.runner, "vllm_available", lambda: False)
+    monkeypatch.setattr(bench.hf_export, "export_smollm2_hf", lambda *a, **k: tmp_path / "model")
+    res = run_suite(tmp_path / "docs", num_requests=3, caps=(4, 8), results_dir=tmp_path / "res", roofline=False,
+                    overheads=False, rate_sweep=False, progress=False, repeats=3)
+    keys = [(r["system"], r["cap"]) for r in res["runs"]]
+    assert len(keys) == len(set(keys)) and ("cbserve-fcfs", 8) in keys
+    fcfs8 = next(r for r in res["runs"] if r["system"] == "cbserve-fcfs" and r["cap"] == 8)
+    assert fcfs8["summary"]["output_tokens_per_s"] == 200.0 and fcfs8["repeat"] == 1
+    assert fcfs8["repeat_tok_s"] == [100.0, 200.0, 300.0]
+    assert len(res["repeat_runs"]) == 2 * len(res["runs"])
+    # Every repeat of a cap got prompts of its own; every system the same ones.
+    fcfs = [x for x in seen["cbserve-fcfs"] if x[0] == 8]
+    assert len({x[1] for x in fcfs}) == 3 and len({x[2] for x in fcfs}) == 3
+    assert sorted(fcfs) == sorted(x for x in seen["hf-static"] if x[0] == 8)
+    md = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "| cbserve fcfs (continuous) | 100 / 200 / 300 (3) | 100 / 200 / 300 (3) |" in md
+    assert "run 3 times per system" in md
+    with pytest.raises(ValueError, match="repeats"):
+        run_suite(tmp_path / "docs", num_requests=3, caps=(4,), results_dir=tmp_path / "res2", repeats=0,
+                  roofline=False, progress=False)
