@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.targets import alone_rows, evaluate, limits_text, phase_rows  # noqa: E402
+from bench.targets import alone_rows, evaluate, limits_text, phase_rows, run_ratio  # noqa: E402
 
 # Row order of the classic table.
 SYSTEM_ORDER = ["hf-static", "hf-cb", "vllm-cpu", "cbserve-static", "cbserve-dynamic", "cbserve-fcfs"]
@@ -69,8 +69,10 @@ def _runs_by(runs: list[dict], dtype: str | None = None) -> dict[tuple[str, int]
 
 
 def spread_table(runs: list[dict], dtype: str) -> str:
-    """Every repeat's output tokens/s (min / median / max over the repeats;
-    the throughput table shows the median run). Empty for a single run."""
+    """Every repeat's output tokens/s (min / median / max over the repeats).
+    The throughput table shows the median run, and its ratios are the median
+    over the repeats of each repeat's ratio (the same workload, side by
+    side). Empty for a single run."""
     by = _runs_by(runs, dtype)
     if not any(r.get("repeat_tok_s") for r in by.values()):
         return ""
@@ -79,7 +81,7 @@ def spread_table(runs: list[dict], dtype: str) -> str:
     for sys_ in _order(s for (s, _) in by):
         row = [SYSTEM_LABELS.get(sys_, sys_)]
         for c in caps:
-            v = sorted((by.get((sys_, c)) or {}).get("repeat_tok_s") or [])
+            v = sorted(x for x in (by.get((sys_, c)) or {}).get("repeat_tok_s") or [] if x is not None)
             row.append(f"{_fmt(v[0])} / {_fmt(v[(len(v) - 1) // 2])} / {_fmt(v[-1])} ({len(v)})" if v else "–")
         rows.append(row)
     return _table(["system"] + [f"tok/s cap {c}: min / median / max (runs)" for c in caps], rows)
@@ -103,10 +105,7 @@ def throughput_table(runs: list[dict], dtype: str) -> str:
                 row.append(_fmt(r["summary"]["output_tokens_per_s"]))
         for c in caps:
             r, b = by.get((s, c)), by.get((BASELINE, c))
-            try:
-                ratio = r["summary"]["output_tokens_per_s"] / b["summary"]["output_tokens_per_s"]
-            except (TypeError, KeyError, ZeroDivisionError):
-                ratio = math.nan
+            ratio = run_ratio(r, b) if r is not None and not r.get("error") else math.nan
             row.append(_fmt(ratio, 2) + ("×" if not math.isnan(ratio) else ""))
         rows.append(row)
     return _table(header, rows)

@@ -139,8 +139,9 @@ def median_runs(runs: list[dict]) -> tuple[list[dict], list[dict]]:
     """One run per (system, dtype, cap), in first-seen order: where a workload
     ran several times (--repeats), the run with the median tok/s (the lower
     of the middle two for an even count) stands for it, carrying every
-    repeat's tok/s in `repeat_tok_s` (failed repeats left out; all failed: the
-    first). Returns (those runs, the other repeats)."""
+    repeat's tok/s in `repeat_tok_s`, indexed by repeat (None where that
+    repeat failed; all failed: the first run). Returns (those runs, the
+    other repeats)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["system"], r.get("dtype"), int(r["cap"])), []).append(r)
@@ -151,7 +152,10 @@ def median_runs(runs: list[dict]) -> tuple[list[dict], list[dict]]:
             continue
         ok = sorted((r for r in group if not r.get("error")), key=lambda r: r["summary"]["output_tokens_per_s"])
         median = ok[(len(ok) - 1) // 2] if ok else group[0]
-        chosen.append(dict(median, repeat_tok_s=[r["summary"]["output_tokens_per_s"] for r in ok]))
+        by_repeat = {r.get("repeat", i): r for i, r in enumerate(group)}
+        tok_s = [None if by_repeat.get(i) is None or by_repeat[i].get("error")
+                 else by_repeat[i]["summary"]["output_tokens_per_s"] for i in range(max(by_repeat) + 1)]
+        chosen.append(dict(median, repeat_tok_s=tok_s))
         others += [r for r in group if r is not median]
     return chosen, others
 

@@ -93,9 +93,10 @@ def test_median_runs_picks_the_middle_repeat_and_keeps_the_rest():
     chosen, others = median_runs(runs)
     by = {r["system"]: r for r in chosen}
     assert [r["system"] for r in chosen] == ["a", "b", "c"]
-    assert by["a"]["repeat"] == 2 and by["a"]["repeat_tok_s"] == [10.0, 20.0, 30.0]
-    # Failed repeats do not count; of an even count the lower middle stands for the group.
-    assert by["b"]["repeat"] == 0 and by["b"]["repeat_tok_s"] == [5.0, 6.0]
+    # Every repeat's tok/s by repeat index (the median of them chose the run).
+    assert by["a"]["repeat"] == 2 and by["a"]["repeat_tok_s"] == [10.0, 30.0, 20.0]
+    # Failed repeats do not count (None); of an even count the lower middle stands for the group.
+    assert by["b"]["repeat"] == 0 and by["b"]["repeat_tok_s"] == [5.0, None, 6.0]
     assert "repeat_tok_s" not in by["c"]
     assert sorted((r["system"], r["repeat"]) for r in others) == [("a", 0), ("a", 1), ("b", 1), ("b", 2)]
 
@@ -124,6 +125,8 @@ def test_suite_repeats_with_new_prompts_and_reports_the_median(tmp_path, monkeyp
     fcfs8 = next(r for r in res["runs"] if r["system"] == "cbserve-fcfs" and r["cap"] == 8)
     assert fcfs8["summary"]["output_tokens_per_s"] == 200.0 and fcfs8["repeat"] == 1
     assert fcfs8["repeat_tok_s"] == [100.0, 200.0, 300.0]
+    # Ratios side by side per repeat, then their median: every system here sped up alike, so 1.00x.
+    assert "| cbserve fcfs (continuous) | 200 | 200 | 1.00× | 1.00× |" in (tmp_path / "docs" / "benchmarks.md").read_text()
     assert len(res["repeat_runs"]) == 2 * len(res["runs"])
     # Every repeat of a cap got prompts of its own; every system the same ones.
     fcfs = [x for x in seen["cbserve-fcfs"] if x[0] == 8]

@@ -227,3 +227,20 @@ def test_phase_profile_times_a_real_runner_and_puts_everything_back():
              runner.lean._add_rms_norm, runner.lean._rope_cache, dict(runner.model.lm_head.__dict__))
     assert after == before
     assert len(runner.state.seqs) == 0
+
+
+def test_run_ratio_is_the_median_of_side_by_side_ratios():
+    from bench.targets import run_ratio
+
+    def run(tok_s, repeats=None):
+        return {"summary": {"output_tokens_per_s": tok_s}, "repeat_tok_s": repeats}
+
+    # Repeat draws differ (the HF static row of repeat 2 drew long outputs): per-repeat ratios 2.0, 3.0, 2.5.
+    a, b = run(300.0, [200.0, 300.0, 250.0]), run(100.0, [100.0, 100.0, 100.0])
+    assert run_ratio(a, b) == pytest.approx(2.5)
+    a, b = run(300.0, [200.0, 300.0, 400.0]), run(120.0, [100.0, 150.0, 120.0])
+    assert run_ratio(a, b) == pytest.approx(2.0)  # median of 2.0, 2.0, 3.33; not 300 / 120
+    # A failed repeat on either side drops that repeat; single runs divide as before.
+    assert run_ratio(run(1.0, [200.0, None, 400.0]), run(1.0, [100.0, 150.0, 100.0])) == pytest.approx(2.0)
+    assert run_ratio(run(300.0), run(100.0)) == pytest.approx(3.0)
+    assert math.isnan(run_ratio(None, run(1.0)))
