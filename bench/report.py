@@ -72,7 +72,8 @@ def spread_table(runs: list[dict], dtype: str) -> str:
     """Every repeat's output tokens/s (min / median / max over the repeats).
     The throughput table shows the median run, and its ratios are the median
     over the repeats of each repeat's ratio (the same workload, side by
-    side). Empty for a single run."""
+    side)."""
+    # (Empty for single runs.)
     by = _runs_by(runs, dtype)
     if not any(r.get("repeat_tok_s") for r in by.values()):
         return ""
