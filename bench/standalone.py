@@ -105,18 +105,20 @@ class _PhaseClock:
 
 
 def phase_profile(runner: ModelRunner, batch: int, prompt_len: int = 128, decode_tokens: int = 48,
-                  seed: int = 0) -> dict | None:
+                  seed: int = 0, untimed: dict | None = None) -> dict | None:
     """Where the decode steps of measure_runner go: the wall time of each of
     the lean forward's calls and of the LM head (the kernels run synchronously
     on the CPU), summed by phase and per step; 'rest' is what the same steps
     take beyond them untimed (embedding, final norm, step metadata and the
     Python between the calls; the timers' own ~1 us a call is left out that
-    way). None where the runner has no lean forward (not a bf16 Llama on an
-    AVX-512 bf16 CPU)."""
+    way). `untimed`: measure_runner's result for these same steps where the
+    caller has one (else it is measured here). None where the runner has no
+    lean forward (not a bf16 Llama on an AVX-512 bf16 CPU)."""
     fw = runner.lean
     if fw is None:
         return None
-    untimed = measure_runner(runner, batch, prompt_len, decode_tokens, seed)
+    if untimed is None:
+        untimed = measure_runner(runner, batch, prompt_len, decode_tokens, seed)
     clock = _PhaseClock()
     head = runner.model.lm_head
     saved_layers = [(L.qkv, L.o_proj, L.act, L.down) for L in fw.layers]
@@ -165,7 +167,8 @@ def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_to
     rows = [measure_runner(runner, b, prompt_len, decode_tokens, seed) for b in batches]
     return {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows,
             "weight_bytes": decode_weight_bytes(runner),
-            "phases": phase_profile(runner, max(batches), prompt_len, decode_tokens, seed)}
+            "phases": phase_profile(runner, max(batches), prompt_len, decode_tokens, seed,
+                                    untimed=next(r for r in rows if r["batch"] == max(batches)))}
 
 
 def _decode_weights(runner: ModelRunner) -> list[torch.Tensor]:

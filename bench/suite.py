@@ -166,6 +166,8 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
               roofline: bool = True, overheads: bool = True, rate_sweep: bool = True,
               progress: bool = True, command: str | None = None,
               budget_min: float | None = None, repeats: int = 1) -> dict[str, Any]:
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
     from bench.hf_export import export_smollm2_hf
     from bench.report import render_report
     from bench.runner import decode_rate, run_system, vllm_available
@@ -181,8 +183,6 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
     log = lambda msg: print(f"[bench {time.perf_counter() - t_suite:6.0f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
     model_dir = str(export_smollm2_hf())
-    if repeats < 1:
-        raise ValueError("repeats must be >= 1")
     # Each repeat with prompts of its own (seeds after the previous repeat's),
     # so a server's prefix cache never carries one over.
     workloads = [w for rep in range(repeats) for w in classic_workloads(n, caps, seed + rep * len(caps))]

@@ -227,6 +227,10 @@ def test_phase_profile_times_a_real_runner_and_puts_everything_back():
              runner.lean._add_rms_norm, runner.lean._rope_cache, dict(runner.model.lm_head.__dict__))
     assert after == before
     assert len(runner.state.seqs) == 0
+    # The caller's untimed measurement of the same steps is taken as the step (not measured again).
+    given = standalone.measure_runner(runner, batch=4, prompt_len=20, decode_tokens=9)
+    again = standalone.phase_profile(runner, batch=4, prompt_len=20, decode_tokens=9, untimed=given)
+    assert again["step_ms"] == given["step_ms"]
 
 
 def test_run_ratio_is_the_median_of_side_by_side_ratios():
