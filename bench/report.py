@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench.stats import lower_middle  # noqa: E402
 from bench.targets import alone_rows, evaluate, limits_text, phase_rows, run_ratio  # noqa: E402
 
 # Row order of the classic table.
@@ -83,7 +84,7 @@ def spread_table(runs: list[dict], dtype: str) -> str:
         row = [SYSTEM_LABELS.get(sys_, sys_)]
         for c in caps:
             v = sorted(x for x in (by.get((sys_, c)) or {}).get("repeat_tok_s") or [] if x is not None)
-            row.append(f"{_fmt(v[0])} / {_fmt(v[(len(v) - 1) // 2])} / {_fmt(v[-1])} ({len(v)})" if v else "–")
+            row.append(f"{_fmt(v[0])} / {_fmt(lower_middle(v))} / {_fmt(v[-1])} ({len(v)})" if v else "–")
         rows.append(row)
     return _table(["system"] + [f"tok/s cap {c}: min / median / max (runs)" for c in caps], rows)
 

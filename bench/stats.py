@@ -71,6 +71,12 @@ class RequestRecord:
         return cls(**d)
 
 
+def lower_middle(ordered: Sequence[Any]) -> Any:
+    """The median element of an already sorted, non-empty sequence: the
+    lower of the middle two for an even count (always one of the values)."""
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def percentiles(values: Sequence[float] | np.ndarray, ps: Iterable[float] = PERCENTILES) -> dict[str, float]:
     """Linear-interpolated percentiles ("p50", ...); NaN for an empty input."""
     arr = np.asarray([v for v in values if not math.isnan(v)], dtype=float)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.stats import lower_middle
 from bench.workload import Workload, WorkloadSpec, materialise
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,7 +152,7 @@ def median_runs(runs: list[dict]) -> tuple[list[dict], list[dict]]:
             chosen.append(group[0])
             continue
         ok = sorted((r for r in group if not r.get("error")), key=lambda r: r["summary"]["output_tokens_per_s"])
-        median = ok[(len(ok) - 1) // 2] if ok else group[0]
+        median = lower_middle(ok) if ok else group[0]
         by_repeat = {r.get("repeat", i): r for i, r in enumerate(group)}
         tok_s = [None if by_repeat.get(i) is None or by_repeat[i].get("error")
                  else by_repeat[i]["summary"]["output_tokens_per_s"] for i in range(max(by_repeat) + 1)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from bench.roofline import step_bytes
+from bench.stats import lower_middle
 
 HF_STATIC_RATIO = {32: 2.0, 128: 3.7, 512: 9.5}
 VLLM_RATIO = {128: 1.5, 512: 1.5}
@@ -58,7 +59,7 @@ def run_ratio(a: dict | None, b: dict | None) -> float:
     if ra and rb and len(ra) == len(rb):
         ratios = sorted(x / y for x, y in zip(ra, rb) if x is not None and y)
         if ratios:
-            return ratios[(len(ratios) - 1) // 2]
+            return lower_middle(ratios)
     try:
         return a["summary"]["output_tokens_per_s"] / b["summary"]["output_tokens_per_s"]
     except (KeyError, TypeError, ZeroDivisionError):
