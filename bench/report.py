@@ -318,10 +318,22 @@ def phase_table(results: dict) -> str:
     what the untimed steps take beyond them), each phase against its roof
     where it has one: the matmuls at the roofline's F.linear time of the same
     shapes over all layers, attention at the batch's K/V read once at the
-    stream bandwidth."""
-    rows = [[r["label"], _fmt(r["ms"], 2), _share(r["share"]), _fmt(r["roof_ms"], 2),
-             _fmt(r["ms"] / r["roof_ms"], 2) if r["roof_ms"] else "–"] for r in phase_rows(results)]
-    return _table(["phase", "ms per step", "share of step", "roof ms", "× roof"], rows) if rows else ""
+    stream bandwidth. The last two columns: the same step over the opt-in
+    fp8 e5m2 KV cache (cache.kv_cache_dtype), where measured; its attention
+    roof is half the bf16 one."""
+    f8 = {r["phase"]: r for r in phase_rows(results, kv_fp8=True)}
+    rows = []
+    for r in phase_rows(results):
+        row = [r["label"], _fmt(r["ms"], 2), _share(r["share"]), _fmt(r["roof_ms"], 2),
+               _fmt(r["ms"] / r["roof_ms"], 2) if r["roof_ms"] else "–"]
+        if f8:
+            g = f8.get(r["phase"], {})
+            row += [_fmt(g.get("ms"), 2), _fmt(g.get("roof_ms"), 2) if r["phase"] == "attention" else "–"]
+        rows.append(row)
+    head = ["phase", "ms per step", "share of step", "roof ms", "× roof"]
+    if f8:
+        head += ["fp8 KV cache: ms per step", "fp8 roof ms"]
+    return _table(head, rows) if rows else ""
 
 
 def targets_table(rows: list[dict]) -> str:

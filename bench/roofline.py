@@ -134,16 +134,17 @@ def stream_gb_s(mib: int = 512, reps: int = 5) -> float:
 
 
 def dtype_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
+    return 4 if dtype == "float32" else 1 if dtype == "fp8_e5m2" else 2
 
 
-def step_bytes(batch: int, context: int, dtype: str, cfg: dict = SMOLLM2, weight_bytes: int | None = None) -> int:
+def step_bytes(batch: int, context: int, dtype: str, cfg: dict = SMOLLM2, weight_bytes: int | None = None,
+               kv_dtype: str | None = None) -> int:
     """Bytes one decode step must read: every matmul weight once (in `dtype`,
     or `weight_bytes` as the executor stores them: GGUF blocks where its
     kernels stream those), plus K and V of `context` tokens for each of
-    `batch` sequences."""
+    `batch` sequences (in `kv_dtype`, default `dtype`)."""
     es = dtype_bytes(dtype)
-    kv = 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * es * batch * context
+    kv = 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * dtype_bytes(kv_dtype or dtype) * batch * context
     return (param_count(cfg)["matmul_params"] * es if weight_bytes is None else weight_bytes) + kv
 
 

@@ -25,6 +25,41 @@ from executor.runner import ModelRunner
 
 BLOCK_SIZE = 16
 
+# Text prompts (and greedy tokens each) for the agreement check of the fp8 KV cache.
+AGREEMENT_TOKENS = 64
+AGREEMENT_PROMPTS = (
+    "The history of the Roman Empire", "def fibonacci(n):", "Once upon a time, in a small village,",
+    "The mitochondria is", "Water boils at", "In machine learning, overfitting means",
+    "The capital of Australia is", "Photosynthesis converts", "import numpy as np\nx =",
+    "The French Revolution began in", "A haiku about autumn:", "To bake bread, first", "The speed of light is",
+    "Shakespeare wrote", "Quantum computers use", "The best way to learn a language is")
+
+
+def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    """Prefills every prompt in one plan (greedy sampling, contiguous blocks
+    from 0), then runs `n_new` decode steps of the whole batch; returns each
+    prompt's first `n_new` sampled tokens."""
+    seqs, nb = [], 0
+    for i, p in enumerate(prompts):
+        need = -(-(len(p) + n_new) // runner.block_size)
+        seqs.append(pb.ScheduledSeq(seq_id=i, num_tokens=len(p), new_block_ids=list(range(nb, nb + need)),
+                                    new=pb.NewSeq(token_ids=p, sampling=pb.SeqSampling())))
+        nb += need
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    runner.reset()
+    res = runner.step(pb.Plan(seqs=seqs))
+    for _ in range(n_new):
+        for s, t in zip(res.seq_ids, res.token_ids):
+            out[s].append(t)
+        res = runner.step(pb.Plan(seqs=[pb.ScheduledSeq(seq_id=i, num_tokens=1) for i in range(len(prompts))]))
+    runner.reset()
+    return [out[i] for i in range(len(prompts))]
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    """Per sequence, the index of the first token where a and b differ (the length where none does)."""
+    return [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t))) for s, t in zip(a, b)]
+
 
 def _prefill_plan(step_id: int, seq_ids: range, prompt_len: int, blocks_per_seq: int,
                   gen: torch.Generator, vocab: int) -> pb.Plan:
@@ -131,9 +166,12 @@ def phase_profile(runner: ModelRunner, batch: int, prompt_len: int = 128, decode
         fw._add_rms_norm = clock.wrap("add_rms_norm", fw._add_rms_norm)
         fw._rope_cache = clock.wrap("rope_cache", fw._rope_cache)
         fw._rope_split = clock.wrap("rope_cache", fw._rope_split)
-        # (The cache write stays unwrapped: the lean forward fuses it into the
-        # rotary pass only when it is the native backend's own function.)
+        # (The cache write stays unwrapped where the lean forward fuses it
+        # into the rotary pass: only the native backend's own function is.
+        # Over an fp8 cache it is a call of its own.)
         write, attend = runner.ops
+        if runner.cache_shape.dtype != runner.dtype:
+            write = clock.wrap("rope_cache", write)
         runner.ops = (write, clock.wrap("attention", attend))
         head.forward = clock.wrap("lm_head", head.forward)
         if hasattr(head, "greedy_argmax"):
@@ -155,20 +193,54 @@ def phase_profile(runner: ModelRunner, batch: int, prompt_len: int = 128, decode
 
 
 def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_tokens: int = 48,
-            model: str | None = None, dtype: str = "bfloat16", seed: int = 0) -> dict:
+            model: str | None = None, dtype: str = "bfloat16", seed: int = 0, kv_fp8: bool = True) -> dict:
     """Loads the model as the executor does (same kernels, same attention
-    backend) and measures each batch size once after one warm-up pass."""
+    backend) and measures each batch size once after one warm-up pass; with
+    `kv_fp8`, the largest batch again over an fp8 e5m2 KV cache
+    (cache.kv_cache_dtype: fp8_e5m2), phase by phase too."""
     source = resolve(model)
     device = torch.device("cpu")
     torch_dtype = pick_dtype(dtype, device)
-    runner = ModelRunner(load_model(source, torch_dtype, device), BLOCK_SIZE,
-                         num_blocks=max(batches) * (-(-(prompt_len + decode_tokens) // BLOCK_SIZE)))
+    big = max(batches)
+    prompts = _agreement_prompts(model) if kv_fp8 else None
+    num_blocks = max(big * (-(-(prompt_len + decode_tokens) // BLOCK_SIZE)),
+                     sum(-(-(len(p) + AGREEMENT_TOKENS) // BLOCK_SIZE) for p in prompts or []))
+    runner = ModelRunner(load_model(source, torch_dtype, device), BLOCK_SIZE, num_blocks=num_blocks)
     measure_runner(runner, min(batches), prompt_len, min(decode_tokens, 4), seed)  # warm-up
     rows = [measure_runner(runner, b, prompt_len, decode_tokens, seed) for b in batches]
-    return {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows,
-            "weight_bytes": decode_weight_bytes(runner),
-            "phases": phase_profile(runner, max(batches), prompt_len, decode_tokens, seed,
-                                    untimed=next(r for r in rows if r["batch"] == max(batches)))}
+    out = {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows,
+           "weight_bytes": decode_weight_bytes(runner),
+           "phases": phase_profile(runner, big, prompt_len, decode_tokens, seed,
+                                   untimed=next(r for r in rows if r["batch"] == big))}
+    if kv_fp8:
+        ref = greedy_tokens(runner, prompts, AGREEMENT_TOKENS) if prompts else None
+        del runner  # one model in memory at a time
+        runner = ModelRunner(load_model(source, torch_dtype, device), BLOCK_SIZE, num_blocks=num_blocks,
+                             kv_cache_dtype=torch.float8_e5m2)
+        measure_runner(runner, big, prompt_len, min(decode_tokens, 4), seed)  # warm-up
+        row = measure_runner(runner, big, prompt_len, decode_tokens, seed)
+        out["kv_fp8"] = {"row": row, "phases": phase_profile(runner, big, prompt_len, decode_tokens, seed,
+                                                             untimed=row)}
+        if ref is not None:
+            out["kv_fp8"]["first_divergence"] = first_divergence(
+                ref, greedy_tokens(runner, prompts, AGREEMENT_TOKENS))
+            del runner
+            torch_ref = ModelRunner(load_model(source, torch_dtype, device), BLOCK_SIZE, num_blocks=num_blocks,
+                                    attention_backend="torch")
+            out["kv_fp8"]["reference_first_divergence"] = first_divergence(
+                ref, greedy_tokens(torch_ref, prompts, AGREEMENT_TOKENS))
+    return out
+
+
+def _agreement_prompts(model: str | None) -> list[list[int]] | None:
+    """AGREEMENT_PROMPTS tokenized for `model` (None where it has no tokenizer here)."""
+    from router.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(model)
+    except (OSError, ValueError):
+        return None
+    return [tok.encode(t) for t in AGREEMENT_PROMPTS]
 
 
 def _decode_weights(runner: ModelRunner) -> list[torch.Tensor]:

@@ -108,8 +108,10 @@ class LeanLlamaForward:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         cache = meta.kv_cache
         write_kv, attend = meta.reshape_and_cache, meta.paged_attention
-        # The native backend's cache write is fused into the rotary pass.
-        fused_write = write_kv is self._native_write
+        # The native backend's cache write is fused into the rotary pass
+        # (where the cache has the activations' dtype; an fp8 cache is
+        # written, and rounded, by reshape_and_cache).
+        fused_write = write_kv is self._native_write and cache.key[0].dtype == residual.dtype
         x = None
         T = residual.shape[0]
         attn = None  # one output buffer for every layer: o_proj has read it before the next layer writes

@@ -34,6 +34,25 @@ class CacheShape:
         return max(0, num_bytes // self.bytes_per_block)
 
 
+def cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The KV blocks' dtype for `cache.kv_cache_dtype`: 'auto' is the model's,
+    'fp8_e5m2' one byte per value (vLLM's CPU fp8 cache format: the upper byte
+    of an fp16, rounded to nearest even; the native kernels widen it exactly
+    as they read it). ValueError where this build cannot serve it."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8_e5m2":
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"cache.kv_cache_dtype: fp8_e5m2 has CPU kernels only; {device} needs 'auto'")
+        return torch.float8_e5m2
+    raise ValueError(f"cache.kv_cache_dtype: {name!r} must be 'auto' or 'fp8_e5m2'")
+
+
+def copyable(t: torch.Tensor) -> torch.Tensor:
+    """t, or for an fp8 tensor its bytes: torch has no CPU index_copy_ for fp8."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e5m2, torch.float8_e4m3fn) else t
+
+
 class KVCacheTooLarge(ValueError):
     """The configured pool cannot be allocated on its device (or the swap
     pool on the host)."""
@@ -157,7 +176,8 @@ class KVCache:
         dst = torch.tensor([p[1] for p in pairs])
         for dev, host in ((self.key, self.host_key), (self.value, self.host_value)):
             for layer in range(len(dev)):
-                host[layer].index_copy_(0, dst, dev[layer].index_select(0, src.to(dev[layer].device)).cpu())
+                d = copyable(dev[layer])
+                copyable(host[layer]).index_copy_(0, dst, d.index_select(0, src.to(d.device)).cpu())
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copies host blocks back to device blocks (src host id, dst device id)."""
@@ -168,5 +188,5 @@ class KVCache:
         dst = torch.tensor([p[1] for p in pairs])
         for dev, host in ((self.key, self.host_key), (self.value, self.host_value)):
             for layer in range(len(dev)):
-                d = dev[layer]
-                d.index_copy_(0, dst.to(d.device), host[layer].index_select(0, src).to(d.device))
+                d = copyable(dev[layer])
+                d.index_copy_(0, dst.to(d.device), copyable(host[layer]).index_select(0, src).to(d.device))

@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from executor import model_loader, model_source
-from executor.kv_cache import CacheShape, KVCacheTooLarge
+from executor.kv_cache import CacheShape, KVCacheTooLarge, cache_dtype
 from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
 from executor.server import ExecutorService, build_server, wait_forever
@@ -52,16 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = model_loader.pick_device(args.device)
         dtype = model_loader.pick_dtype(args.dtype, device)
+        kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype, str(device))
     except ValueError as exc:
         return _refused(exc)
     model = model_loader.load_model(source, dtype, device)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cache.block_size, dtype)
+    shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cache.block_size, kv_dtype)
     num_blocks = cache.num_blocks or shape.blocks_for(cache.kv_cache_bytes)
     num_swap = shape.blocks_for(cache.swap_space_bytes)
     try:
-        runner = ModelRunner(model, cache.block_size, num_blocks, num_swap, args.attention_backend)
+        runner = ModelRunner(model, cache.block_size, num_blocks, num_swap, args.attention_backend,
+                             kv_cache_dtype=kv_dtype)
     except KVCacheTooLarge as exc:
         return _refused(exc)
     eos = cfg.eos_token_id
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     _LOGGER.info("executor ready", frozen_objects=gc.get_freeze_count(), rss_mb=_trim_heap(),
                  listen=args.listen, model=source.name,
-                 dtype=str(dtype).removeprefix("torch."), device=str(device), num_blocks=num_blocks,
+                 dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+                 device=str(device), num_blocks=num_blocks,
                  block_size=cache.block_size, backend=args.attention_backend,
                  threads=torch.get_num_threads(), omp_proc_bind=os.environ.get("OMP_PROC_BIND", ""))
     wait_forever(server, health, service.worker)

@@ -49,7 +49,8 @@ def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
                  num_swap_blocks: int = 0, attention_backend: str = "native",
-                 prepack: bool = True, lean_forward: bool = True) -> None:
+                 prepack: bool = True, lean_forward: bool = True,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -82,8 +83,9 @@ class ModelRunner:
             _LOGGER.info("weights on huge pages", mb=round(moved / 2**20))
             _warm_up_rotary(model, self.dtype)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # The model's dtype, or float8_e5m2 (cache.kv_cache_dtype; see kv_cache.cache_dtype).
         self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
-                                      block_size, self.dtype)
+                                      block_size, kv_cache_dtype or self.dtype)
         self.block_size = block_size
         self.kv = KVCache(self.cache_shape, num_blocks, num_swap_blocks, device=str(self.device))
         self.state = BatchState()

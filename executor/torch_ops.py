@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from executor.kv_cache import copyable
+
 
 def reshape_and_cache(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -21,15 +23,16 @@ def reshape_and_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written
     slot_mapping: torch.Tensor,  # [T] int64; negative = skip
 ) -> None:
-    """Writes each token's K and V into its slot of the paged cache."""
+    """Writes each token's K and V into its slot of the paged cache (rounded
+    to the cache's dtype: a float8_e5m2 cache holds them to 2 mantissa bits)."""
     num_blocks, block_size, hkv, d = key_cache.shape
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     if slot_mapping.numel() and int(slot_mapping.max()) >= num_blocks * block_size:
         raise IndexError("slot_mapping holds a slot beyond the cache")
-    key_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        copyable(cache.view(-1, hkv, d)).index_copy_(0, slot_mapping, copyable(src.to(cache.dtype)))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

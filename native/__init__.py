@@ -32,9 +32,11 @@ def reshape_and_cache(
     """Write each token's K and V into its slot of the paged cache.
 
     Args:
-        key, value: `[T, Hkv, D]`, same dtype as the caches, contiguous.
-        key_cache, value_cache: `[num_blocks, block_size, Hkv, D]`, float32,
-            bfloat16 or float16, contiguous. **Written** (in place).
+        key, value: `[T, Hkv, D]` float32, bfloat16 or float16, contiguous.
+        key_cache, value_cache: `[num_blocks, block_size, Hkv, D]`, contiguous,
+            the dtype of key and value, or float8_e5m2 (CPU only: each value
+            rounded to nearest even, as `tensor.to(torch.float8_e5m2)`).
+            **Written** (in place).
         slot_mapping: `[T]` int64; token t goes to slot
             `block_id * block_size + offset`; a negative slot skips the token.
             Every slot must be `< num_blocks * block_size` (else IndexError).
@@ -61,8 +63,9 @@ def paged_attention(
         out: `[T, Hq, D]`, same dtype as `query`. **Written**.
         query: `[T, Hq, D]` float32, bfloat16 or float16, tokens of all
             sequences packed back to back.
-        key_cache, value_cache: `[num_blocks, block_size, Hkv, D]`, same
-            dtype as `query`; `Hq` must be a multiple of `Hkv` (GQA).
+        key_cache, value_cache: `[num_blocks, block_size, Hkv, D]`, the
+            dtype of `query` or float8_e5m2 (CPU only; widened exactly as
+            it is read); `Hq` must be a multiple of `Hkv` (GQA).
         block_tables: `[B, max_blocks]` int32: block ids of each sequence.
         cu_seqlens_q: `[B + 1]` int32, starts at 0, non-decreasing, ends at T:
             sequence b owns query rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`.

@@ -93,6 +93,9 @@ class SchedulerConfig:
     pipeline_decode: bool = True
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
+
+
 @dataclass
 class CacheConfig:
     # Tokens per KV block; the executor allocates its pool with this size.
@@ -108,6 +111,10 @@ class CacheConfig:
     watermark: float = 0.01
     # Requests sharing a prompt prefix share its KV blocks.
     enable_prefix_caching: bool = True
+    # Storage of the executor's KV blocks: 'auto' (the model's dtype) or
+    # 'fp8_e5m2' (one byte per value, CPU only: twice the blocks for the same
+    # bytes and half the bytes each decode step reads, at 2 mantissa bits).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -234,6 +241,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     _positive(c.num_blocks, "cache.num_blocks", True)
     _positive(c.kv_cache_bytes, "cache.kv_cache_bytes")
     _positive(c.swap_space_bytes, "cache.swap_space_bytes", True)
+    if c.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"cache.kv_cache_dtype: {c.kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}")
     if not 0 <= c.watermark < 0.5:
         raise ConfigError(f"cache.watermark: must be in [0, 0.5), got {c.watermark}")
     lim = cfg.limits

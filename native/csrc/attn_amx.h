@@ -8,7 +8,8 @@
 //   output  O [16 rows x 16 d]      += P [16 x 32 tokens] . V [32 tokens x 16 d]
 // K^T and V are re-laid out once per KV tile into the VNNI tiles the
 // instruction reads (K: a 16 x 16 dword transpose per 16 tokens and 32 dims;
-// V: two token rows interleaved element by element), queries are read as
+// V: two token rows interleaved element by element; an fp8 e5m2 cache is
+// widened to bf16 on the way, exactly), queries are read as
 // bf16 and the probabilities rounded to bf16 for P.V, as torch's own CPU
 // flash attention does for bf16; scores, softmax and accumulation are fp32.
 #pragma once
@@ -28,15 +29,41 @@ CB_AMX_ATTN static inline void amx_attn_config() {
   _tile_loadconfig(&cfg);
 }
 
+// 32 fp8 e5m2 values as 32 bf16 (exact: every e5m2 value is a bf16 value).
+CB_AMX_ATTN static inline __m512 e5m2x32_to_bf16(const uint8_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (__m512)_mm512_cvtne2ps_pbh(e5m2x16_to_ps(_mm256_extracti128_si256(raw, 1)),
+                                     e5m2x16_to_ps(_mm256_castsi256_si128(raw)));
+}
+
+// 16 cache elements from element offset `o` as 16 bf16: a bf16 cache is read
+// as is, an fp8 e5m2 one widened.
+template <bool F8>
+CB_AMX_ATTN static inline __m256i kv_bf16x16(const void* cache, int64_t o) {
+  if constexpr (F8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(cache) + o));
+    return (__m256i)_mm512_cvtneps_pbh(e5m2x16_to_ps(raw));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(cache) + o));
+  }
+}
+
 // Kb tile (g, c) for tokens [16 g, 16 g + 16) and dims [32 c, 32 c + 32):
 // row dp holds, for each token t, the pair K[t, 32 c + 2 dp .. + 1] — the
 // transpose of the tokens' 16-dword rows. Tokens >= n are zero.
-CB_AMX_ATTN static inline void amx_pack_k(const uint16_t* kc, const int64_t* offs, int64_t n, int64_t g, int64_t c,
+template <bool F8>
+CB_AMX_ATTN static inline void amx_pack_k(const void* kc, const int64_t* offs, int64_t n, int64_t g, int64_t c,
                                           uint16_t* tile) {
   __m512 r[16];
   for (int t = 0; t < 16; ++t) {
     const int64_t tok = 16 * g + t;
-    r[t] = tok < n ? _mm512_loadu_ps(kc + offs[tok] + 32 * c) : _mm512_setzero_ps();
+    if (tok >= n) {
+      r[t] = _mm512_setzero_ps();
+    } else if constexpr (F8) {
+      r[t] = e5m2x32_to_bf16(static_cast<const uint8_t*>(kc) + offs[tok] + 32 * c);
+    } else {
+      r[t] = _mm512_loadu_ps(static_cast<const uint16_t*>(kc) + offs[tok] + 32 * c);
+    }
   }
   transpose16(r);
   for (int t = 0; t < 16; ++t) _mm512_storeu_ps(tile + 32 * t, r[t]);
@@ -44,16 +71,15 @@ CB_AMX_ATTN static inline void amx_pack_k(const uint16_t* kc, const int64_t* off
 
 // Vb tile (c, b) for tokens [32 c, 32 c + 32) and dims [16 b, 16 b + 16):
 // row tp holds, for each dim, the pair (V[32 c + 2 tp, d], V[32 c + 2 tp + 1, d]).
-CB_AMX_ATTN static inline void amx_pack_v(const uint16_t* vc, const int64_t* offs, int64_t n, int64_t c, int64_t b,
+template <bool F8>
+CB_AMX_ATTN static inline void amx_pack_v(const void* vc, const int64_t* offs, int64_t n, int64_t c, int64_t b,
                                           uint16_t* tile) {
   const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int tp = 0; tp < 16; ++tp) {
     const int64_t a = 32 * c + 2 * tp;
-    const __m256i va = a < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vc + offs[a] + 16 * b))
-                             : _mm256_setzero_si256();
-    const __m256i vb = a + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vc + offs[a + 1] + 16 * b))
-                                 : _mm256_setzero_si256();
+    const __m256i va = a < n ? kv_bf16x16<F8>(vc, offs[a] + 16 * b) : _mm256_setzero_si256();
+    const __m256i vb = a + 1 < n ? kv_bf16x16<F8>(vc, offs[a + 1] + 16 * b) : _mm256_setzero_si256();
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
     _mm512_storeu_si512(tile + 32 * tp, _mm512_permutexvar_epi16(il, both));
   }
@@ -88,7 +114,8 @@ CB_AMX_ATTN static inline void amx_scores(const uint16_t* Qb, int64_t D, const u
   }
 }
 
-template <int DC>
+// F8: the cache holds fp8 e5m2 (widened to bf16 while the tiles are packed).
+template <int DC, bool F8>
 CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it, float* scratch) {
   const int64_t D = p.head_dim, G = p.hq / p.hkv;
   const int64_t q_len = p.cu_seqlens[it.seq + 1] - p.cu_seqlens[it.seq];
@@ -127,8 +154,8 @@ CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it
   amx_attn_config();
   const int64_t kv_hi = item_kv_end(p, it);
   const int64_t ntiles = (kv_hi + KT - 1) / KT;
-  const uint16_t* kc = static_cast<const uint16_t*>(p.key_cache);
-  const uint16_t* vc = static_cast<const uint16_t*>(p.value_cache);
+  const void* kc = p.key_cache;
+  const void* vc = p.value_cache;
   const __m512 scale = _mm512_set1_ps(p.scale);
   const float ninf = -__builtin_inff();
 
@@ -141,9 +168,9 @@ CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it
 
     item_offsets(p, it, t0, n, offs);  // K and V share the layout
     for (int64_t g = 0; g < n16 / 16; ++g)
-      for (int64_t c = 0; c < DC; ++c) amx_pack_k(kc, offs, n, g, c, Kb + (g * DC + c) * 512);
+      for (int64_t c = 0; c < DC; ++c) amx_pack_k<F8>(kc, offs, n, g, c, Kb + (g * DC + c) * 512);
     for (int64_t c = 0; c < n32 / 32; ++c)
-      for (int64_t b = 0; b < DB; ++b) amx_pack_v(vc, offs, n, c, b, Vb + (c * DB + b) * 512);
+      for (int64_t b = 0; b < DB; ++b) amx_pack_v<F8>(vc, offs, n, c, b, Vb + (c * DB + b) * 512);
 
     for (int64_t rt = rt0; rt < Mpad / 16; ++rt) amx_scores<DC>(Qb + rt * 16 * D, D, Kb, n16, S + rt * 16 * NP, NP);
 

@@ -158,7 +158,7 @@ static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv,
 static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, const char* base,
                                      const int64_t* offs, int64_t n, int dtype, int64_t D, float* S,
                                      int64_t lds, float* tmp, KvPrefetch& pf) {
-  const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
+  const int64_t es = cbserve_native::elem_size(dtype);
   const int64_t DP = round_up(D, kPad);
   for (int64_t t = 0; t < n; ++t) {
     pf.step();
@@ -175,7 +175,7 @@ static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, con
 static inline void dec_pv_simple(const float* P, int64_t ldp, int64_t M, const char* base,
                                  const int64_t* offs, int64_t n, int dtype, int64_t D, float* A,
                                  int64_t lda, float* tmp, KvPrefetch& pf) {
-  const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
+  const int64_t es = cbserve_native::elem_size(dtype);
   const int64_t DP = round_up(D, kPad);
   float* vr = tmp;
   for (int64_t t = 0; t < n; ++t) {
@@ -231,7 +231,7 @@ static inline int64_t row_offset(const AttnParams& p, const AttnItem& it, int64_
 static inline void init_rows(const AttnParams& p, const AttnItem& it, float* Qf, float* Acc, float* mrow,
                              float* lrow, int64_t DP) {
   const int64_t D = p.head_dim, M = cbserve_native::item_rows(it, p.hq / p.hkv);
-  const int64_t esize = p.dtype == cbserve_native::kF32 ? 4 : 2;
+  const int64_t esize = cbserve_native::elem_size(p.dtype);
   const char* qbase = static_cast<const char*>(p.query);
   for (int64_t r = 0; r < M; ++r) {
     float* qr = Qf + r * DP;
@@ -249,7 +249,7 @@ static inline void init_rows(const AttnParams& p, const AttnItem& it, float* Qf,
 static inline void store_rows(const AttnParams& p, const AttnItem& it, float* Acc, const float* lrow,
                               int64_t DP) {
   const int64_t D = p.head_dim, M = cbserve_native::item_rows(it, p.hq / p.hkv);
-  const int64_t esize = p.dtype == cbserve_native::kF32 ? 4 : 2;
+  const int64_t esize = cbserve_native::elem_size(p.dtype);
   char* obase = static_cast<char*>(p.out);
   for (int64_t r = 0; r < M; ++r) {
     float* a = Acc + r * DP;
@@ -291,8 +291,8 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
                              float* scratch) {
   const int64_t D = p.head_dim, hq = p.hq, hkv = p.hkv;
   const int64_t G = hq / hkv, nh = it.n_heads;
-  const int dtype = p.dtype;
-  const int64_t esize = dtype == cbserve_native::kF32 ? 4 : 2;
+  const int dtype = p.kv_dtype;  // the cache's: every read below is a K or V row
+  const int64_t esize = cbserve_native::elem_size(dtype);
   const int64_t q0 = p.cu_seqlens[it.seq];
   const int64_t q_len = p.cu_seqlens[it.seq + 1] - q0;
   const int64_t ctx = p.seq_lens[it.seq] - q_len;
@@ -391,8 +391,8 @@ static bool attn_item_impl(const AttnParams& p, const AttnItem& it, const AttnIt
   if (cbserve_native::is_decode_item(it, p.hq / p.hkv)) return attn_decode_impl(p, it, next, prefetched, scratch);
   const int64_t D = p.head_dim, bs = p.block_size, hq = p.hq, hkv = p.hkv;
   const int64_t G = hq / hkv, h = it.kv_head;
-  const int dtype = p.dtype;
-  const int64_t esize = dtype == cbserve_native::kF32 ? 4 : 2;
+  const int dtype = p.kv_dtype;  // the cache's: every read below is a K or V row
+  const int64_t esize = cbserve_native::elem_size(dtype);
   const int64_t q0 = p.cu_seqlens[it.seq];
   const int64_t q_len = p.cu_seqlens[it.seq + 1] - q0;
   const int64_t kv_len = p.seq_lens[it.seq];

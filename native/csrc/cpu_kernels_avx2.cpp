@@ -80,9 +80,15 @@ struct V {
     } else if (dtype == cbserve_native::kBF16) {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16(s + i));
-    } else {
+    } else if (dtype == cbserve_native::kF16) {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_f16(s + i));
+    } else {  // fp8 e5m2: each byte is the upper half of an fp16
+      const uint8_t* s = static_cast<const uint8_t*>(src);
+      for (; i + 8 <= n; i += 8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + i));
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8)));
+      }
     }
     for (; i < n; ++i) dst[i] = cb_load_scalar(src, i, dtype);
   }
@@ -101,7 +107,7 @@ struct V {
   }
   static inline void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D, float* kt,
                              int64_t ldkt) {
-    const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
+    const int64_t es = cbserve_native::elem_size(dtype);
     alignas(32) float row[1024];
     for (int64_t d0 = 0; d0 < D; d0 += 1024) {
       const int64_t dn = D - d0 < 1024 ? D - d0 : 1024;

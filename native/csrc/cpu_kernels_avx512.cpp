@@ -25,9 +25,15 @@ static inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
 }
 
+// 16 fp8 e5m2 bytes (each the upper byte of an fp16) as fp32: exact.
+static inline __m512 e5m2x16_to_ps(__m128i b) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+}
+
 // Loads up to 16 elements (mask) of any storage dtype as fp32 (zeros elsewhere).
 static inline __m512 load16(const void* p, int dtype, __mmask16 m) {
   if (dtype == cbserve_native::kF32) return _mm512_maskz_loadu_ps(m, p);
+  if (dtype == cbserve_native::kFP8E5M2) return e5m2x16_to_ps(_mm_maskz_loadu_epi8(m, p));
   const __m256i h = _mm256_maskz_loadu_epi16(m, p);
   if (dtype == cbserve_native::kBF16)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -86,14 +92,14 @@ struct V {
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
   }
   static inline void to_f32(const void* src, int dtype, float* dst, int64_t n) {
-    const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
+    const int64_t es = cbserve_native::elem_size(dtype);
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = tail_mask(n - i);
       _mm512_mask_storeu_ps(dst + i, m, load16(static_cast<const char*>(src) + i * es, dtype, m));
     }
   }
   static inline void from_f32(const float* src, int dtype, void* dst, int64_t n) {
-    const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
+    const int64_t es = cbserve_native::elem_size(dtype);
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = tail_mask(n - i);
       store16(static_cast<char*>(dst) + i * es, dtype, _mm512_maskz_loadu_ps(m, src + i), m);
@@ -102,7 +108,7 @@ struct V {
   // Kt[d, t] = K[t, d] (fp32), 16 tokens x 16 dims at a time.
   static inline void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D, float* kt,
                              int64_t ldkt) {
-    const int64_t es = dtype == cbserve_native::kF32 ? 4 : 2;
+    const int64_t es = cbserve_native::elem_size(dtype);
     const char* kb = static_cast<const char*>(k);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
       const int64_t tn = n - t0 < 16 ? n - t0 : 16;
@@ -126,15 +132,25 @@ static inline __m512 load16t(const char* p, __mmask16 m) {
   return load16(p, DT, m);
 }
 
+// Bytes per element of storage dtype DT.
+template <int DT>
+constexpr int64_t esz() {
+  return DT == cbserve_native::kF32 ? 4 : DT == cbserve_native::kFP8E5M2 ? 1 : 2;
+}
+
 // 32 consecutive elements (masked) as two fp32 vectors. bf16: lanes hold the
-// even / odd elements (a shift and an AND of one load); fp32/fp16: the low
-// and high 16. The query is permuted the same way, so dot products match.
+// even / odd elements (a shift and an AND of one load); fp32/fp16/fp8: the
+// low and high 16. The query is permuted the same way, so dot products match.
 template <int DT>
 static inline void load32t(const char* p, __mmask32 m, __m512& x0, __m512& x1) {
   if constexpr (DT == cbserve_native::kBF16) {
     const __m512i raw = _mm512_maskz_loadu_epi16(m, p);
     x0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
     x1 = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int(0xffff0000u))));
+  } else if constexpr (DT == cbserve_native::kFP8E5M2) {
+    const __m256i raw = _mm256_maskz_loadu_epi8(m, p);
+    x0 = e5m2x16_to_ps(_mm256_castsi256_si128(raw));
+    x1 = e5m2x16_to_ps(_mm256_extracti128_si256(raw, 1));
   } else {
     constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
     x0 = load16(p, DT, __mmask16(m));
@@ -166,7 +182,7 @@ static inline void load32f(const float* p, int64_t left, __m512& x0, __m512& x1)
 template <int NP, int DT, int RS>
 static inline void dec_scores_rows(const float* qb, const char* base, const int64_t* offs, int64_t n,
                                    const __mmask32* m, float* S, int64_t lds, KvPrefetch& pf) {
-  constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
+  constexpr int64_t es = esz<DT>();
   constexpr int NV = 2 * NP;
   __m512 c[RS][4];
   for (int j = 0; j < 4; ++j) {
@@ -229,7 +245,7 @@ template <int NP, int DT, int RT>
 static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, const int64_t* offs,
                                int64_t n, int64_t D, const __mmask32* m, float* A, int64_t lda,
                                KvPrefetch& pf) {
-  constexpr int64_t es = DT == cbserve_native::kF32 ? 4 : 2;
+  constexpr int64_t es = esz<DT>();
   constexpr int NV = 2 * NP;
   const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(8));
@@ -294,6 +310,7 @@ static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, c
       CB_DEC_CASES(KERNEL, 0, __VA_ARGS__)                                             \
       CB_DEC_CASES(KERNEL, 1, __VA_ARGS__)                                             \
       CB_DEC_CASES(KERNEL, 2, __VA_ARGS__)                                             \
+      CB_DEC_CASES(KERNEL, 3, __VA_ARGS__)                                             \
       default: return false;                                                           \
     }                                                                                  \
     return true;                                                                       \
@@ -343,19 +360,50 @@ bool attn_item_avx512(const AttnParams& p, const AttnItem& it, const AttnItem* n
 }
 
 // The AVX-512 kernels, with bf16 prefill items (more than kDecodeMaxRows
-// rows, head_dim 32 / 64 / 96 / 128) on AMX tiles.
+// rows, head_dim 32 / 64 / 96 / 128; a bf16 or fp8 e5m2 cache) on AMX tiles.
 bool attn_item_amx(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
                    float* scratch) {
-  if (p.dtype == kBF16 && !is_decode_item(it, p.hq / p.hkv) && p.head_dim % 32 == 0) {
+  if (p.dtype == kBF16 && (p.kv_dtype == kBF16 || p.kv_dtype == kFP8E5M2) && !is_decode_item(it, p.hq / p.hkv) &&
+      p.head_dim % 32 == 0) {
+    const bool f8 = p.kv_dtype == kFP8E5M2;
     switch (p.head_dim / 32) {
-      case 1: return attn_prefill_amx<1>(p, it, scratch);
-      case 2: return attn_prefill_amx<2>(p, it, scratch);
-      case 3: return attn_prefill_amx<3>(p, it, scratch);
-      case 4: return attn_prefill_amx<4>(p, it, scratch);
+      case 1: return f8 ? attn_prefill_amx<1, true>(p, it, scratch) : attn_prefill_amx<1, false>(p, it, scratch);
+      case 2: return f8 ? attn_prefill_amx<2, true>(p, it, scratch) : attn_prefill_amx<2, false>(p, it, scratch);
+      case 3: return f8 ? attn_prefill_amx<3, true>(p, it, scratch) : attn_prefill_amx<3, false>(p, it, scratch);
+      case 4: return f8 ? attn_prefill_amx<4, true>(p, it, scratch) : attn_prefill_amx<4, false>(p, it, scratch);
       default: break;
     }
   }
   return attn_item_impl(p, it, next, prefetched, scratch);
+}
+
+// fp32 / bf16 / fp16 -> fp8 e5m2, 16 at a time, as cb_f32_to_e5m2.
+void to_e5m2_avx512(const void* src, int32_t dtype, uint8_t* dst, int64_t n) {
+  const int64_t es = elem_size(dtype);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i magic = _mm512_set1_epi32(134 << 23);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512i u0 = _mm512_castps_si512(load16(static_cast<const char*>(src) + i * es, dtype, m));
+    const __m512i u = _mm512_and_si512(u0, abs_mask);
+    const __m512i sign = _mm512_srli_epi32(_mm512_andnot_si512(abs_mask, u0), 24);
+    // Normal range: rebias the exponent, round half to even on bit 21.
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 21), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(int(0xc8000000u + 0xfffffu)), odd)), 21);
+    // Below 2^-14: the fp32 adder rounds to the subnormal step.
+    const __mmask16 small = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(113 << 23));
+    const __m512i sub = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(magic))), magic);
+    r = _mm512_mask_mov_epi32(r, small, sub);
+    // |x| >= 65536: inf, NaN: 0x7f.
+    const __mmask16 big = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(143 << 23));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, big, _mm512_set1_epi32(0x7c));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7f));
+    r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xff)), sign);
+    _mm_mask_storeu_epi8(dst + i, m, _mm512_cvtepi32_epi8(r));
+  }
 }
 }  // namespace cbserve_native
 
@@ -374,5 +422,6 @@ bool have_avx512_kernels() { return true; }
 bool have_avx512_kernels() { return false; }
 bool attn_item_avx512(const AttnParams&, const AttnItem&, const AttnItem*, bool, float*) { return false; }
 bool attn_item_amx(const AttnParams&, const AttnItem&, const AttnItem*, bool, float*) { return false; }
+void to_e5m2_avx512(const void* src, int32_t dtype, uint8_t* dst, int64_t n) { to_e5m2_generic(src, dtype, dst, n); }
 #endif
 }  // namespace cbserve_native

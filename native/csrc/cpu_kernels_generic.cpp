@@ -46,4 +46,8 @@ bool attn_item_generic(const AttnParams& p, const AttnItem& it, const AttnItem* 
                      float* scratch) {
   return attn_item_impl(p, it, next, prefetched, scratch);
 }
+
+void to_e5m2_generic(const void* src, int32_t dtype, uint8_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = cb_f32_to_e5m2(cb_load_scalar(src, i, dtype));
+}
 }  // namespace cbserve_native

@@ -74,8 +74,31 @@ static inline uint16_t cb_f32_to_f16(float f) {
   return uint16_t(sign | r);
 }
 
+// fp8 e5m2 is the upper byte of an IEEE half: widening is exact.
+static inline float cb_e5m2_to_f32(uint8_t b) { return cb_f16_to_f32(uint16_t(uint16_t(b) << 8)); }
+
+// Round to nearest even on the fp32 bits, overflow (>= 2^16 after rounding)
+// to inf, NaN to 0x7f; the same bytes as torch's float8_e5m2 conversion.
+static inline uint8_t cb_f32_to_e5m2(float f) {
+  uint32_t u = cb_f32_to_bits(f);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t r;
+  if (u >= (143u << 23)) {  // |f| >= 65536 (or inf / NaN)
+    r = u > 0x7f800000u ? 0x7f : 0x7c;
+  } else if (u < (113u << 23)) {  // below the smallest normal (2^-14): the fp32 adder rounds
+    const uint32_t magic = 134u << 23;  // 2^7: one e5m2 subnormal step is its last mantissa bit
+    r = uint8_t(cb_f32_to_bits(cb_bits_to_f32(u) + cb_bits_to_f32(magic)) - magic);
+  } else {
+    u += 0xc8000000u + 0xfffffu + ((u >> 21) & 1u);  // rebias 127 -> 15, round half to even
+    r = uint8_t(u >> 21);
+  }
+  return uint8_t(r | (sign >> 24));
+}
+
 static inline float cb_load_scalar(const void* p, int64_t i, int dtype) {
   if (dtype == 0) return static_cast<const float*>(p)[i];
+  if (dtype == 3) return cb_e5m2_to_f32(static_cast<const uint8_t*>(p)[i]);
   const uint16_t h = static_cast<const uint16_t*>(p)[i];
   return dtype == 1 ? cb_bf16_to_f32(h) : cb_f16_to_f32(h);
 }
@@ -83,6 +106,8 @@ static inline float cb_load_scalar(const void* p, int64_t i, int dtype) {
 static inline void cb_store_scalar(void* p, int64_t i, int dtype, float v) {
   if (dtype == 0) {
     static_cast<float*>(p)[i] = v;
+  } else if (dtype == 3) {
+    static_cast<uint8_t*>(p)[i] = cb_f32_to_e5m2(v);
   } else {
     static_cast<uint16_t*>(p)[i] = dtype == 1 ? cb_f32_to_bf16(v) : cb_f32_to_f16(v);
   }

@@ -195,6 +195,22 @@ int32_t dtype_code(at::ScalarType t) {
   }
 }
 
+// A KV cache's storage: the activations' dtype, or fp8 e5m2 (an opt-in
+// 8-bit cache, CPU only) for any of them.
+void check_cache_dtype(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& act,
+                       const char* act_names) {
+  CB_TYPE(value_cache.scalar_type() == key_cache.scalar_type(), "key_cache and value_cache must share one dtype, got ",
+          key_cache.scalar_type(), " and ", value_cache.scalar_type());
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e5m2;
+  CB_TYPE(fp8 || key_cache.scalar_type() == act.scalar_type(), "key_cache must have the dtype of ", act_names,
+          " (", act.scalar_type(), ") or be float8_e5m2, got ", key_cache.scalar_type());
+  CB_TYPE(!fp8 || !key_cache.is_cuda(), "a float8_e5m2 KV cache is supported on the CPU only");
+}
+
+int32_t kv_dtype_code(const at::Tensor& cache) {
+  return cache.scalar_type() == at::kFloat8_e5m2 ? int32_t(kFP8E5M2) : dtype_code(cache.scalar_type());
+}
+
 void check_tensor(const at::Tensor& t, const char* name, int64_t rank) {
   CB_TYPE(t.defined(), name, " must be a tensor");
   CB_VALUE(t.dim() == rank, name, " must have ", rank, " dimensions, got shape ", shape_str(t));
@@ -230,12 +246,10 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   check_tensor(slot_mapping, "slot_mapping", 1);
   check_same_device({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"},
                      {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}});
-  check_float_dtype(key_cache, "key_cache");
-  CB_TYPE(value_cache.scalar_type() == key_cache.scalar_type() &&
-              key.scalar_type() == key_cache.scalar_type() &&
-              value.scalar_type() == key_cache.scalar_type(),
-          "key, value, key_cache and value_cache must share one dtype, got ", key.scalar_type(), ", ",
-          value.scalar_type(), ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
+  check_float_dtype(key, "key");
+  CB_TYPE(value.scalar_type() == key.scalar_type(), "key and value must share one dtype, got ", key.scalar_type(),
+          " and ", value.scalar_type());
+  check_cache_dtype(key_cache, value_cache, key, "key and value");
   check_int_dtype(slot_mapping, "slot_mapping", at::kLong);
   CB_VALUE(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ: ",
            shape_str(key_cache), " vs ", shape_str(value_cache));
@@ -282,6 +296,19 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
   py::gil_scoped_release nogil;
+  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // rows rounded to fp8 on the way in
+    const int64_t row = hkv * D;
+    const int32_t dt = dtype_code(key.scalar_type());
+    const auto conv = current_isa() == "avx512" || current_isa() == "amx" ? to_e5m2_avx512 : to_e5m2_generic;
+    at::parallel_for(0, T, std::max<int64_t>(1, 4096 / row), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        if (s[t] < 0) continue;
+        conv(k + t * row_bytes, dt, reinterpret_cast<uint8_t*>(kc) + s[t] * row, row);
+        conv(v + t * row_bytes, dt, reinterpret_cast<uint8_t*>(vc) + s[t] * row, row);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_bytes)),
                    [&](int64_t b, int64_t e) {
                      for (int64_t t = b; t < e; ++t) {
@@ -315,10 +342,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      {&value_cache, "value_cache"}, {&block_tables, "block_tables"},
                      {&cu_seqlens_q, "cu_seqlens_q"}, {&seq_lens, "seq_lens"}});
   check_float_dtype(query, "query");
-  CB_TYPE(out.scalar_type() == query.scalar_type() && key_cache.scalar_type() == query.scalar_type() &&
-              value_cache.scalar_type() == query.scalar_type(),
-          "query, out, key_cache and value_cache must share one dtype, got ", query.scalar_type(), ", ",
-          out.scalar_type(), ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
+  CB_TYPE(out.scalar_type() == query.scalar_type(), "query and out must share one dtype, got ", query.scalar_type(),
+          " and ", out.scalar_type());
+  check_cache_dtype(key_cache, value_cache, query, "query");
   check_int_dtype(block_tables, "block_tables", at::kInt);
   check_int_dtype(cu_seqlens_q, "cu_seqlens_q", at::kInt);
   check_int_dtype(seq_lens, "seq_lens", at::kInt);
@@ -437,6 +463,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.block_size = bs;
   p.scale = static_cast<float>(scale);
   p.dtype = dtype_code(query.scalar_type());
+  p.kv_dtype = kv_dtype_code(key_cache);
 
   const AttnItemFn fn = item_fn();
   // Scratch for the largest item present (a decode-only batch needs ~14 KB

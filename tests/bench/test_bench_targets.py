@@ -189,8 +189,23 @@ def test_limits_text_weighs_the_phases_against_the_target():
     assert f"would take {floor:.1f} ms, which leaves {target - floor:.1f} ms above the roofs" in text
     assert f"attention by {11.0 - att_roof:.1f} ms, o_proj by 0.5 ms" in text
     assert "q/k/v projection by" not in text  # below its roof
-    # Half the K/V bytes at this run's attention speed: 32.5 - 11.0 / 2 ms, against the 3000 tok/s bound.
-    assert "would make the alone step 27.0 ms (79 % of the bound)" in text
+    assert "halves the" in text and "(not measured in this run)" in text
+    # Measured over the fp8 cache: its step, share of the bound and attention against the halved stream.
+    f8 = {"qkv": 3.0, "rope_cache": 0.9, "attention": 8.0, "o_proj": 2.0, "add_rms_norm": 1.0,
+          "gate_up": 6.0, "down": 3.0, "lm_head": 3.0, "rest": 3.0}
+    step = sum(f8.values())
+    res["standalone"]["kv_fp8"] = {
+        "row": {"batch": 64, "step_ms": step, "decode_tok_s": 64e3 / step},
+        "phases": {"batch": 64, "mean_context": 152.5, "step_ms": step, "timed_step_ms": step, "phases_ms": f8},
+        "first_divergence": [3, 6, 9, 64], "reference_first_divergence": [30, 40, 64, 64]}
+    f8_roof = 1e3 * step_bytes(64, 152, "bfloat16", weight_bytes=0, kv_dtype="fp8_e5m2") / 23.5e9
+    assert f8_roof == pytest.approx(att_roof / 2)
+    text = " ".join(limits_text(res))
+    assert (f"the alone step takes {step:.1f} ms = {64e3 / step:.0f} tok/s = {100 * 64e3 / step / 3000:.0f} % of "
+            f"the bound, attention 8.0 ms against its halved stream of {f8_roof:.1f} ms") in text
+    assert "after a median of 8 tokens on 4 text prompts, against 52 for the torch reference" in text
+    rows = {r["phase"]: r for r in phase_rows(res, kv_fp8=True)}
+    assert rows["attention"]["roof_ms"] == pytest.approx(f8_roof) and rows["rope_cache"]["ms"] == 0.9
     # A slower rest: the roofs alone no longer reach the target.
     res = _with_phases(_results(), rest=12.0)
     attach_alone(res)
@@ -206,8 +221,26 @@ def test_report_has_the_phase_table(tmp_path):
     md = render_report(res, tmp_path).read_text()
     assert "| attention | 11.00 |" in md and "| LM head (+ greedy argmax) | 3.00 |" in md
     assert "| gate/up + SiLU-mul | 6.00 | 18.5 % | 6.00 | 1.00 |" in md
+    assert "fp8 KV cache" not in md  # not measured: no fp8 columns
+    f8 = dict(res["standalone"]["phases"], phases_ms={**res["standalone"]["phases"]["phases_ms"], "attention": 7.5})
+    res["standalone"]["kv_fp8"] = {"row": {"batch": 64, "step_ms": 29.0, "decode_tok_s": 2207.0}, "phases": f8}
+    md = render_report(res, tmp_path).read_text()
+    f8_roof = 1e3 * step_bytes(64, 152, "bfloat16", weight_bytes=0, kv_dtype="fp8_e5m2") / 23.5e9
+    assert "fp8 KV cache: ms per step" in md and f"| attention | 11.00 |" in md
+    assert f"| 7.50 | {f8_roof:.2f} |" in md
     del res["standalone"]["phases"]
     assert "LM head (+ greedy argmax)" not in render_report(res, tmp_path).read_text()
+
+
+def test_standalone_measure_adds_the_fp8_cache_step_and_its_greedy_agreement():
+    out = standalone.measure((1, 4), prompt_len=20, decode_tokens=9, model="tiny", dtype="float32")
+    f8 = out["kv_fp8"]
+    assert f8["row"]["batch"] == 4 and f8["row"]["decode_steps"] == 8 and f8["row"]["decode_tok_s"] > 0
+    assert f8["phases"] is None  # fp32: no lean forward to profile
+    n = len(standalone.AGREEMENT_PROMPTS)
+    assert len(f8["first_divergence"]) == n and len(f8["reference_first_divergence"]) == n
+    assert all(0 <= d <= standalone.AGREEMENT_TOKENS for d in f8["first_divergence"])
+    assert standalone.first_divergence([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5]]) == [1, 2]
 
 
 def test_phase_profile_times_a_real_runner_and_puts_everything_back():
@@ -231,6 +264,13 @@ def test_phase_profile_times_a_real_runner_and_puts_everything_back():
     given = standalone.measure_runner(runner, batch=4, prompt_len=20, decode_tokens=9)
     again = standalone.phase_profile(runner, batch=4, prompt_len=20, decode_tokens=9, untimed=given)
     assert again["step_ms"] == given["step_ms"]
+    # Over an fp8 cache the cache write is a call of its own, timed with the rotary pass.
+    f8 = ModelRunner(load_model(resolve("tiny"), torch.bfloat16, torch.device("cpu")), standalone.BLOCK_SIZE,
+                     num_blocks=4 * 3, kv_cache_dtype=torch.float8_e5m2)
+    ops = f8.ops
+    prof = standalone.phase_profile(f8, batch=4, prompt_len=20, decode_tokens=9)
+    assert prof["phases_ms"]["rope_cache"] > 0 and prof["phases_ms"]["attention"] > 0
+    assert f8.ops == ops
 
 
 def test_run_ratio_is_the_median_of_side_by_side_ratios():

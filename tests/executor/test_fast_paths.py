@@ -10,7 +10,7 @@ from executor import model_loader, model_source
 from executor.fused_modules import FusedMLP, FusedRMSNorm
 from executor.packed_linear import PackedLinear, supported
 from executor.runner import ModelRunner
-from tests.executor.helpers import greedy
+from tests.executor.helpers import count_fused_calls, greedy
 
 needs_bf16 = pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")),
                                 reason="CPU lacks native bf16 (oneDNN)")
@@ -115,17 +115,7 @@ def test_rope_cache_rejects_bad_arguments_without_writing():
 
 @needs_bf16
 def test_lean_forward_fuses_the_cache_write_for_the_native_backend_only(monkeypatch):
-    import native._fused as fused
-
-    calls = {"rope_cache": 0, "rope_split": 0}
-    for name in calls:
-        real = getattr(fused, name)
-
-        def counted(*a, _real=real, _name=name):
-            calls[_name] += 1
-            return _real(*a)
-
-        monkeypatch.setattr(fused, name, counted)
+    calls = count_fused_calls(monkeypatch)
     prompts = [[(3 * i + L) % 250 + 3 for i in range(L)] for L in (5, 30)]
     native_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
     got = greedy(native_rt, prompts, 6)

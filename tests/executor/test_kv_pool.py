@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.kv_cache import CacheShape, KVCache, cpu_pool
+from executor.kv_cache import CacheShape, KVCache, cache_dtype, cpu_pool
 from tests.executor.helpers import anon_huge_kb, thp_mode
 
 
@@ -40,19 +40,39 @@ def test_cpu_cache_sits_on_huge_pages():
     assert huge_kb >= 8 * 1024, f"{huge_kb} kB of huge pages under a 24 MB cache"
 
 
-def test_swap_round_trip_through_the_pool():
-    shape = CacheShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e5m2])
+def test_swap_round_trip_through_the_pool(dtype):
+    shape = CacheShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
     cache = KVCache(shape, num_blocks=6, num_swap_blocks=3)
+    assert cache.key[0].dtype == dtype and cache.host_key[0].dtype == dtype
     for layer in range(3):
-        cache.key[layer].copy_(torch.randn_like(cache.key[layer]))
-        cache.value[layer].copy_(torch.randn_like(cache.value[layer]))
-    want_k = [cache.key[layer][[1, 4]].clone() for layer in range(3)]
-    want_v = [cache.value[layer][[1, 4]].clone() for layer in range(3)]
+        cache.key[layer].copy_(torch.randn(cache.key[layer].shape).to(dtype))
+        cache.value[layer].copy_(torch.randn(cache.value[layer].shape).to(dtype))
+    bits = (lambda t: t.view(torch.uint8)) if dtype == torch.float8_e5m2 else (lambda t: t)
+    want_k = [bits(cache.key[layer][[1, 4]]).clone() for layer in range(3)]
+    want_v = [bits(cache.value[layer][[1, 4]]).clone() for layer in range(3)]
     cache.swap_out([(1, 0), (4, 2)])
     for layer in range(3):
-        cache.key[layer].zero_()
-        cache.value[layer].zero_()
+        bits(cache.key[layer]).zero_()
+        bits(cache.value[layer]).zero_()
     cache.swap_in([(0, 5), (2, 0)])
     for layer in range(3):
-        assert torch.equal(cache.key[layer][[5, 0]], want_k[layer])
-        assert torch.equal(cache.value[layer][[5, 0]], want_v[layer])
+        assert torch.equal(bits(cache.key[layer][[5, 0]]), want_k[layer])
+        assert torch.equal(bits(cache.value[layer][[5, 0]]), want_v[layer])
+
+
+def test_fp8_blocks_are_half_the_bytes_of_bf16_ones():
+    bf16 = CacheShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    fp8 = CacheShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float8_e5m2)
+    assert bf16.bytes_per_block == 2 * fp8.bytes_per_block == 2 * 2 * 30 * 16 * 3 * 64
+    assert fp8.blocks_for(1000 * bf16.bytes_per_block + 7) == 2000 == 2 * bf16.blocks_for(1000 * bf16.bytes_per_block + 7)
+
+
+def test_cache_dtype_choices():
+    assert cache_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+    assert cache_dtype("auto", torch.float32, "cuda:0") == torch.float32
+    assert cache_dtype("fp8_e5m2", torch.float32, "cpu") == torch.float8_e5m2
+    with pytest.raises(ValueError, match="fp8_e5m2 has CPU kernels only"):
+        cache_dtype("fp8_e5m2", torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="must be 'auto' or 'fp8_e5m2'"):
+        cache_dtype("int8", torch.bfloat16, "cpu")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 from cbserve.v1 import generation_pb2 as gpb
@@ -41,3 +43,11 @@ def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
                          f"waiting={m.get('cbserve_num_requests_waiting')} "
                          f"swapped={m.get('cbserve_num_requests_swapped')} kv={m.get('cbserve_kv_cache_usage_ratio')} "
                          f"swap={m.get('cbserve_swap_usage_ratio')}")
+
+
+def ask_capital_of_france(server, repo: str) -> subprocess.CompletedProcess:
+    """`cbserve generate --chat "What is the capital of France?"` against `server`."""
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", "generate", "--address", server.address, "--chat",
+         "What is the capital of France?", "--max-new-tokens", "32"],
+        capture_output=True, text=True, timeout=120, cwd=repo)

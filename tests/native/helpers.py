@@ -28,6 +28,7 @@ def make_batch(
     d,
     block_size,
     dtype=torch.float32,
+    kv_dtype=None,
     device="cpu",
     extra_blocks=3,
     extra_cols=2,
@@ -36,7 +37,8 @@ def make_batch(
     """Random paged-attention inputs with shuffled (non-contiguous) block tables.
 
     Columns of the block table past what a sequence needs hold garbage ids
-    (out of range on purpose: they must never be read).
+    (out of range on purpose: they must never be read). The caches have
+    `kv_dtype` (default: `dtype`), e.g. torch.float8_e5m2.
     """
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
@@ -49,8 +51,8 @@ def make_batch(
     for b, n in enumerate(need):
         table[b, :n] = torch.tensor(perm[pos : pos + n], dtype=torch.int32)
         pos += n
-    kc = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    kc = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(kv_dtype or dtype)
+    vc = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(kv_dtype or dtype)
     cu = torch.tensor(list(itertools.accumulate([0] + list(q_lens))), dtype=torch.int32)
     T = int(cu[-1])
     q = torch.randn(T, hq, d, generator=g).to(dtype)
@@ -82,6 +84,13 @@ def reference(batch, scale):
         batch["seq_lens"].cpu(),
         scale,
     )
+    return out
+
+
+def attend(batch, scale):
+    """native.paged_attention into a NaN-filled output (every row must be written)."""
+    out = torch.full_like(batch["query"], float("nan"))
+    native.paged_attention(out, scale=scale, **batch)
     return out
 
 

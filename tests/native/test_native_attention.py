@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.native.helpers import SUPPORTED_ISAS, make_batch, reference, tolerance
+from tests.native.helpers import SUPPORTED_ISAS, attend, make_batch, reference, tolerance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,17 +29,11 @@ def cases(draw):
     return dict(q_lens=q_lens, ctx_lens=ctx_lens, hq=hkv * group, hkv=hkv, d=d, block_size=block_size, dtype=dtype, seed=seed)
 
 
-def run_native(batch, scale):
-    out = torch.full_like(batch["query"], float("nan"))
-    native.paged_attention(out, scale=scale, **batch)
-    return out
-
-
 def check(case):
     batch = make_batch(case["q_lens"], case["ctx_lens"], hq=case["hq"], hkv=case["hkv"], d=case["d"],
                        block_size=case["block_size"], dtype=case["dtype"], seed=case["seed"])
     scale = case["d"] ** -0.5
-    got = run_native(batch, scale)
+    got = attend(batch, scale)
     want = reference(batch, scale)
     assert got.dtype == case["dtype"]
     err = (got.float() - want).abs().max().item() if got.numel() else 0.0
@@ -69,7 +63,7 @@ def test_online_softmax_large_logits(isa):
     """Scores far from 0 (stable max subtraction across KV tiles)."""
     batch = make_batch([3, 1], [150, 300], hq=4, hkv=2, d=64, block_size=16, seed=3)
     batch["query"] *= 30.0
-    got = run_native(batch, 0.125)
+    got = attend(batch, 0.125)
     want = reference(batch, 0.125)
     assert (got - want).abs().max().item() <= 1e-4
 
@@ -79,7 +73,7 @@ def run_at_threads(batch, scale, threads):
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        return run_native(batch, scale)
+        return attend(batch, scale)
     finally:
         torch.set_num_threads(n)
 
@@ -151,7 +145,7 @@ def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_s
         got = {}
         for isa in ("amx", "avx512"):
             native._set_isa(isa)
-            got[isa] = run_native(batch, scale)
+            got[isa] = attend(batch, scale)
     finally:
         native._set_isa(before)
     for out in got.values():

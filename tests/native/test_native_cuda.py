@@ -101,6 +101,16 @@ def test_cuda_validation():
         native.paged_attention(out, scale=0.1, **batch)
     with pytest.raises(ValueError, match="same device"):
         native.paged_attention(out.cpu(), scale=0.1, **batch)
+    # The 8-bit cache has CPU kernels only: refused on the GPU, nothing written.
+    batch["block_tables"][0, 0] = 0
+    f8 = {k: batch[k].to(torch.float8_e5m2) for k in ("key_cache", "value_cache")}
+    with pytest.raises(TypeError, match="float8_e5m2 KV cache is supported on the CPU only"):
+        native.paged_attention(out, scale=0.1, **{**batch, **f8})
+    before = f8["key_cache"].view(torch.uint8).clone()
+    k = torch.randn(1, 1, 64, device="cuda")
+    with pytest.raises(TypeError, match="CPU only"):
+        native.reshape_and_cache(k, k, f8["key_cache"], f8["value_cache"], torch.tensor([0], device="cuda"))
+    assert torch.equal(f8["key_cache"].view(torch.uint8), before)
 
 
 @pytest.mark.cuda

@@ -52,7 +52,9 @@ ATTN_CASES = [
     # (override builder, exception, message regex)
     ("device", lambda a: {"query": a["query"].to("meta")}, ValueError, "same device|unsupported device"),
     ("dtype_float", lambda a: {"query": a["query"].double(), "out": a["out"].double()}, TypeError, "float32, bfloat16 or float16"),
-    ("dtype_mismatch", lambda a: {"key_cache": a["key_cache"].bfloat16()}, TypeError, "share one dtype"),
+    ("dtype_mismatch", lambda a: {"key_cache": a["key_cache"].bfloat16(), "value_cache": a["value_cache"].bfloat16()}, TypeError, "key_cache must have the dtype of query \\(Float\\) or be float8_e5m2"),
+    ("dtype_caches_differ", lambda a: {"key_cache": a["key_cache"].to(torch.float8_e5m2)}, TypeError, "key_cache and value_cache must share one dtype"),
+    ("dtype_query_fp8", lambda a: {"query": a["query"].to(torch.float8_e5m2), "out": a["out"].to(torch.float8_e5m2)}, TypeError, "query must be float32, bfloat16 or float16"),
     ("dtype_out", lambda a: {"out": a["out"].half()}, TypeError, "share one dtype"),
     ("dtype_block_tables", lambda a: {"block_tables": a["block_tables"].long()}, TypeError, "block_tables must be Int"),
     ("dtype_cu", lambda a: {"cu_seqlens_q": a["cu_seqlens_q"].long()}, TypeError, "cu_seqlens_q must be Int"),
@@ -113,8 +115,10 @@ def test_attention_unused_table_columns_are_not_checked():
 # ------------------------------------------------------------ reshape_and_cache ---
 CACHE_CASES = [
     ("device", lambda a: {"slot_mapping": a["slot_mapping"].to("meta")}, ValueError, "same device|unsupported device"),
-    ("dtype_cache", lambda a: {"key_cache": a["key_cache"].double(), "value_cache": a["value_cache"].double()}, TypeError, "float32, bfloat16 or float16"),
-    ("dtype_mismatch", lambda a: {"key": a["key"].half()}, TypeError, "share one dtype"),
+    ("dtype_cache", lambda a: {"key_cache": a["key_cache"].double(), "value_cache": a["value_cache"].double()}, TypeError, "key_cache must have the dtype of key and value \\(Float\\) or be float8_e5m2, got Double"),
+    ("dtype_mismatch", lambda a: {"key": a["key"].half()}, TypeError, "key and value must share one dtype"),
+    ("dtype_key_fp8", lambda a: {"key": a["key"].to(torch.float8_e5m2), "value": a["value"].to(torch.float8_e5m2)}, TypeError, "key must be float32, bfloat16 or float16"),
+    ("dtype_caches_differ", lambda a: {"value_cache": a["value_cache"].to(torch.float8_e5m2)}, TypeError, "key_cache and value_cache must share one dtype"),
     ("dtype_slots", lambda a: {"slot_mapping": a["slot_mapping"].int()}, TypeError, "slot_mapping must be Long"),
     ("contiguous", lambda a: {"key": a["key"].transpose(0, 1).contiguous().transpose(0, 1)}, ValueError, "key must be contiguous"),
     ("rank_key", lambda a: {"key": a["key"].flatten(1)}, ValueError, "key must have 3 dimensions"),
