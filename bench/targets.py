@@ -29,24 +29,17 @@ PERF_CORES_ALONE, PERF_WAIT_ALONE = 1.98, 0.112
 PERF_CORES_SERVED, PERF_WAIT_SERVED = 1.78, 0.177
 
 
-def _summary(runs: list[dict], system: str, cap: int, dtype: str) -> dict | None:
-    """The summary of `system`'s run at `cap` in `dtype`, None if absent or failed."""
-    for r in runs:
-        if r["system"] == system and int(r["cap"]) == cap and r.get("dtype") == dtype and not r.get("error"):
-            return r["summary"]
-    return None
-
-
-def _tok_s(runs: list[dict], system: str, cap: int, dtype: str) -> float | None:
-    s = _summary(runs, system, cap, dtype)
-    return None if s is None else s["output_tokens_per_s"]
-
-
 def _run(runs: list[dict], system: str, cap: int, dtype: str) -> dict | None:
+    """`system`'s run at `cap` in `dtype`, None if absent or failed."""
     for r in runs:
         if r["system"] == system and int(r["cap"]) == cap and r.get("dtype") == dtype and not r.get("error"):
             return r
     return None
+
+
+def _summary(runs: list[dict], system: str, cap: int, dtype: str) -> dict | None:
+    r = _run(runs, system, cap, dtype)
+    return None if r is None else r["summary"]
 
 
 def run_ratio(a: dict | None, b: dict | None) -> float:
