@@ -35,13 +35,21 @@ def huge_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
     return torch.frombuffer(buf, dtype=torch.uint8), buf
 
 
+def movable(t: torch.Tensor, min_bytes: int = 1 << 16) -> bool:
+    """Whether t is a dense CPU tensor over a storage of `min_bytes` or more.
+    Opaque tensors (oneDNN's prepacked weights on CPUs without AMX) have no
+    storage to move and stay where oneDNN put them."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
+            and t.untyped_storage().nbytes() >= min_bytes)
+
+
 def _storages(tensors: Iterable[torch.Tensor], min_bytes: int) -> dict[int, list[torch.Tensor]]:
-    """CPU tensors by the storage they view (data pointer of its start), for
-    storages of at least `min_bytes`; a tensor object once."""
+    """Movable tensors by the storage they view (data pointer of its start);
+    a tensor object once."""
     out: dict[int, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for t in tensors:
-        if id(t) in seen or t.device.type != "cpu" or t.is_sparse or t.untyped_storage().nbytes() < min_bytes:
+        if id(t) in seen or not movable(t, min_bytes):
             continue
         seen.add(id(t))
         out.setdefault(t.untyped_storage().data_ptr(), []).append(t)

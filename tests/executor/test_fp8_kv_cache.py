@@ -40,10 +40,16 @@ def test_native_and_reference_backends_agree_over_an_fp8_cache(dtype):
     assert [g[:4] for g in got] == [w[:4] for w in want]
     agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
     assert agree >= 0.9
-    if dtype == torch.float32:  # same K/V in, same rounding: the same cache bytes
+    if dtype == torch.float32:
         greedy(native_rt, PROMPTS[1:2], 1), greedy(ref_rt, PROMPTS[1:2], 1)  # (greedy resets the runners)
-        for a, b in zip(_cache_bytes(native_rt), _cache_bytes(ref_rt)):
-            assert torch.equal(a, b)
+        (a0, a1), (b0, b1) = _cache_bytes(native_rt), _cache_bytes(ref_rt)
+        # Layer 0: the same K/V in, the same rounding: the same cache bytes.
+        assert torch.equal(a0, b0)
+        # Layer 1's K/V come after one attention of each backend, whose sums
+        # differ in the last fp32 bits: a value on a rounding edge may land
+        # one fp8 code away, nothing more.
+        diff = (a1.int() - b1.int()).abs()
+        assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= diff.numel() // 1000
 
 
 @pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")), reason="CPU lacks native bf16")

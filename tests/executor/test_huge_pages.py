@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executor import model_loader, model_source
-from executor.huge_pages import module_tensors, move_to_huge_pages
+from executor.huge_pages import module_tensors, movable, move_to_huge_pages
 from executor.runner import ModelRunner
 from tests.executor.helpers import anon_huge_kb, greedy, mapping_of, thp_mode
 
@@ -42,6 +42,16 @@ def test_nothing_to_move():
     assert move_to_huge_pages([torch.zeros(4), torch.zeros(0)]) == 0
 
 
+def test_opaque_onednn_weights_are_left_where_they_are():
+    """oneDNN's prepacked weights (the bf16 linear path on CPUs without AMX)
+    have no storage to move: they are skipped, the dense ones still move."""
+    opaque, dense = torch.randn(256, 256).to_mkldnn(), torch.randn(256, 256)
+    values, dense_ptr = opaque.to_dense(), dense.data_ptr()
+    assert not movable(opaque) and movable(dense)
+    assert move_to_huge_pages([opaque, dense]) == 256 * 256 * 4
+    assert dense.data_ptr() != dense_ptr and torch.equal(opaque.to_dense(), values)
+
+
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 def test_moved_weights_sit_on_huge_pages():
     w = torch.randn(4096, 1024)  # 16 MB
@@ -55,7 +65,7 @@ def test_runner_weights_are_moved_and_moving_them_again_changes_no_token(dtype):
     runner = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), dtype), 16, 64)
     model = runner.model
     held = module_tensors([*model.modules(), *runner._lean_modules()])
-    big = [t for t in held if t.untyped_storage().nbytes() >= 1 << 16]
+    big = [t for t in held if movable(t)]
     assert big
     start, end = mapping_of(big[0].data_ptr())
     assert all(start <= t.data_ptr() < end for t in big)  # one mapping holds them all
