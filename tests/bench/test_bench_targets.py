@@ -28,6 +28,7 @@ def _results(fcfs512=700.0, server64=1500.0, alone64=1800.0, router_share=0.025)
             _run("cbserve-static", 512, 240.0, itl_p50=0.018)]
     roofline_bound = 3000.0
     return {
+        "machine": {"flags": "avx2 avx512f avx512_bf16 amx_bf16 amx_tile"},
         "runs": runs,
         "roofline": {"stream_gb_s": 23.5, "bounds": [
             {"dtype": "bfloat16", "roofline_bound_tok_s": roofline_bound, "cbserve_decode_tok_s": server64,
@@ -113,6 +114,40 @@ def test_limits_text_explains_only_missed_targets_with_run_numbers():
     good["runs"] = [r for r in good["runs"] if r["system"] != "vllm-cpu"]
     attach_alone(good)
     assert limits_text(good) == []
+
+
+def test_limits_text_on_a_cpu_without_amx():
+    """Without AMX the weights stream as bf16 and the GGUF block kernels do
+    not run: the text says so instead of explaining the AMX expansion, and
+    does not split this run's served step with the AMX machine's perf shares."""
+    res = _results(server64=1300.0)
+    res["machine"]["flags"] = "avx2 avx512f avx512_bf16"
+    res["standalone"]["weight_bytes"] = 96_000_000
+    attach_alone(res)
+    text = " ".join(limits_text(res))
+    assert "Without AMX the projections stream their bf16 weights" in text
+    assert "amx_q4_rows_linear" not in text and "longer served step of this run" not in text
+    assert "sampled with perf on the 2-core Xeon with AMX of the earlier runs" in text
+
+
+def test_limits_text_explains_a_missed_vllm_ratio_by_the_prefill_both_pay():
+    res = _results()
+    attach_alone(res)
+    runs = {(r["system"], r["cap"]): r for r in res["runs"]}
+    # cap 512: vLLM 20 s for 8,000 output tokens after 64 x 128 prompt tokens; cbserve 1.46x.
+    runs["vllm-cpu", 512]["summary"].update(prompt_tokens=8192, output_tokens=8000, duration_s=20.0,
+                                             num_requests=64)
+    runs["cbserve-fcfs", 512]["summary"].update(duration_s=20.0 / 1.46)
+    res["roofline"]["params"] = {"matmul_params": 134_479_872, "embedding_params": 28_311_552}
+    res["roofline"]["bounds"][0]["gflops_weighted"] = 350.0
+    text = " ".join(limits_text(res))
+    # 8192 x 2 x 106.2 M = 1.74 TFLOP of prompt projections = 4.97 s at 350 GFLOP/s; 1.5x is 13.33 s,
+    # which leaves 8.36 s for 8000 tokens = 957 tok/s of decode, against 1800 alone at batch 64.
+    assert "1.5× vLLM-CPU at cap 512: vLLM took 20.00 s for the run, cbserve 13.70 s; 1.5× is 13.33 s" in text
+    assert "1.74 TFLOP of projections, 4.97 s at this machine's matmul rate (350 GFLOP/s" in text
+    assert "leaves 8.36 s for 8000 output tokens: 957 tok/s of decode" in text and "decodes 1800 tok/s" in text
+    # Met at cap 128: no paragraph for it.
+    assert "at cap 128: vLLM took" not in text
 
 
 def test_report_has_alone_and_targets_sections(tmp_path):
