@@ -205,6 +205,66 @@ static inline void dec_scores_rows(const float* qb, const char* base, const int6
   for (int r = 0; r < RS; ++r) _mm512_mask_storeu_ps(S + r * lds, sm, hsum_quads(c[r][0], c[r][1], c[r][2], c[r][3]));
 }
 
+// dec_scores_rows for head_dim 33-64 (two 32-element pairs) with named
+// variables instead of arrays, for the reason given at dec_pv_rows2p.
+static inline __m512 dot2p(const float* q, __m512 x0, __m512 x1, __m512 x2, __m512 x3) {
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), x0);
+  acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), x1, acc);
+  acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), x2, acc);
+  return _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), x3, acc);
+}
+
+// Token g's dot products with the RS query rows (qb: [RS][64] in the load32t layout).
+template <int DT, int RS>
+__attribute__((always_inline)) static inline void scores_token2p(const float* qb, const char* k, const __mmask32* m, __m512& s0, __m512& s1,
+                                  __m512& s2) {
+  constexpr int64_t es = esz<DT>();
+  __m512 x0, x1, x2, x3;
+  load32t<DT>(k, m[0], x0, x1);
+  load32t<DT>(k + 32 * es, m[1], x2, x3);
+  s0 = dot2p(qb, x0, x1, x2, x3);
+  if constexpr (RS > 1) s1 = dot2p(qb + 64, x0, x1, x2, x3);
+  if constexpr (RS > 2) s2 = dot2p(qb + 128, x0, x1, x2, x3);
+}
+
+// Tokens 4j .. 4j + 3 (clamped to n - 1; those lanes are not stored), each
+// row's four dot-product vectors reduced to one (hsum4_lanes).
+template <int DT, int RS>
+__attribute__((always_inline)) static inline void scores_quad2p(const float* qb, const char* base, const int64_t* offs, int64_t n, int j,
+                                 const __mmask32* m, KvPrefetch& pf, __m512& c0, __m512& c1, __m512& c2) {
+  constexpr int64_t es = esz<DT>();
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z, a20 = z, a21 = z, a22 = z, a23 = z;
+  const int64_t t0 = 4 * j;
+  auto tok = [&](int64_t t) {
+    if (t < n) pf.step();
+    return base + offs[t < n ? t : n - 1] * es;
+  };
+  scores_token2p<DT, RS>(qb, tok(t0), m, a00, a10, a20);
+  scores_token2p<DT, RS>(qb, tok(t0 + 1), m, a01, a11, a21);
+  scores_token2p<DT, RS>(qb, tok(t0 + 2), m, a02, a12, a22);
+  scores_token2p<DT, RS>(qb, tok(t0 + 3), m, a03, a13, a23);
+  c0 = hsum4_lanes(a00, a01, a02, a03);
+  if constexpr (RS > 1) c1 = hsum4_lanes(a10, a11, a12, a13);
+  if constexpr (RS > 2) c2 = hsum4_lanes(a20, a21, a22, a23);
+}
+
+template <int DT, int RS>
+static inline void dec_scores_rows2p(const float* qb, const char* base, const int64_t* offs, int64_t n,
+                                     const __mmask32* m, float* S, int64_t lds, KvPrefetch& pf) {
+  static_assert(RS >= 1 && RS <= 3, "rows");
+  const __m512 z = _mm512_setzero_ps();
+  __m512 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z;
+  scores_quad2p<DT, RS>(qb, base, offs, n, 0, m, pf, c00, c10, c20);
+  scores_quad2p<DT, RS>(qb, base, offs, n, 1, m, pf, c01, c11, c21);
+  scores_quad2p<DT, RS>(qb, base, offs, n, 2, m, pf, c02, c12, c22);
+  scores_quad2p<DT, RS>(qb, base, offs, n, 3, m, pf, c03, c13, c23);
+  const __mmask16 sm = tail_mask(n);
+  _mm512_mask_storeu_ps(S, sm, hsum_quads(c00, c01, c02, c03));
+  if constexpr (RS > 1) _mm512_mask_storeu_ps(S + lds, sm, hsum_quads(c10, c11, c12, c13));
+  if constexpr (RS > 2) _mm512_mask_storeu_ps(S + 2 * lds, sm, hsum_quads(c20, c21, c22, c23));
+}
+
 // Dispatch shim: NC = 16-lane chunks of D, NP = 32-element pairs.
 template <int NC, int DT>
 static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
@@ -228,6 +288,12 @@ static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* bas
   }
   constexpr int RS = NP <= 2 ? 3 : 2;
   int64_t r0 = 0;
+  if constexpr (NP == 2) {
+    for (; r0 + 3 <= M; r0 += 3) dec_scores_rows2p<DT, 3>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
+    if (M - r0 == 2) dec_scores_rows2p<DT, 2>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
+    if (M - r0 == 1) dec_scores_rows2p<DT, 1>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
+    return;
+  }
   for (; r0 + RS <= M; r0 += RS)
     dec_scores_rows<NP, DT, RS>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
   if (M - r0 == 2 && RS > 2) {
@@ -276,6 +342,75 @@ static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, co
   }
 }
 
+// dec_pv_rows for head_dim 33-64 (two 32-element pairs), with every
+// accumulator a named variable. GCC keeps dec_pv_rows' acc[RT][NV] array in
+// registers inside the token loop but also stores all of it back to the
+// stack on every token (12 512-bit stores a token for 3 rows: on Zen 4,
+// where each is two 256-bit stores, about as much time as the FMAs).
+template <int DT>
+static inline void pv_row_load(const float* a, int64_t D, __m512& v0, __m512& v1, __m512& v2, __m512& v3) {
+  load32f<DT>(a, D, v0, v1);
+  load32f<DT>(a + 32, D - 32, v2, v3);
+}
+
+template <int DT>
+static inline void pv_row_store(float* a, int64_t D, __m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  if constexpr (DT == cbserve_native::kBF16) {  // back from the even / odd layout
+    const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(8));
+    const __m512 l0 = _mm512_permutex2var_ps(v0, il, v1), h0 = _mm512_permutex2var_ps(v0, ih, v1);
+    const __m512 l1 = _mm512_permutex2var_ps(v2, il, v3), h1 = _mm512_permutex2var_ps(v2, ih, v3);
+    v0 = l0, v1 = h0, v2 = l1, v3 = h1;
+  }
+  _mm512_storeu_ps(a, v0);
+  _mm512_storeu_ps(a + 16, v1);
+  _mm512_mask_storeu_ps(a + 32, tail_mask(D - 32), v2);
+  if (D > 48) _mm512_mask_storeu_ps(a + 48, tail_mask(D - 48), v3);
+}
+
+template <int DT, int RT>
+static inline void dec_pv_rows2p(const float* P, int64_t ldp, const char* base, const int64_t* offs, int64_t n,
+                                 int64_t D, const __mmask32* m, float* A, int64_t lda, KvPrefetch& pf) {
+  static_assert(RT >= 1 && RT <= 4, "rows");
+  constexpr int64_t es = esz<DT>();
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+  __m512 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
+  pv_row_load<DT>(A, D, a00, a01, a02, a03);
+  if constexpr (RT > 1) pv_row_load<DT>(A + lda, D, a10, a11, a12, a13);
+  if constexpr (RT > 2) pv_row_load<DT>(A + 2 * lda, D, a20, a21, a22, a23);
+  if constexpr (RT > 3) pv_row_load<DT>(A + 3 * lda, D, a30, a31, a32, a33);
+  for (int64_t t = 0; t < n; ++t) {
+    pf.step();
+    const char* v = base + offs[t] * es;
+    __m512 x0, x1, x2, x3;
+    load32t<DT>(v, m[0], x0, x1);
+    load32t<DT>(v + 32 * es, m[1], x2, x3);
+    __m512 p = _mm512_set1_ps(P[t]);
+    a00 = _mm512_fmadd_ps(p, x0, a00), a01 = _mm512_fmadd_ps(p, x1, a01);
+    a02 = _mm512_fmadd_ps(p, x2, a02), a03 = _mm512_fmadd_ps(p, x3, a03);
+    if constexpr (RT > 1) {
+      p = _mm512_set1_ps(P[ldp + t]);
+      a10 = _mm512_fmadd_ps(p, x0, a10), a11 = _mm512_fmadd_ps(p, x1, a11);
+      a12 = _mm512_fmadd_ps(p, x2, a12), a13 = _mm512_fmadd_ps(p, x3, a13);
+    }
+    if constexpr (RT > 2) {
+      p = _mm512_set1_ps(P[2 * ldp + t]);
+      a20 = _mm512_fmadd_ps(p, x0, a20), a21 = _mm512_fmadd_ps(p, x1, a21);
+      a22 = _mm512_fmadd_ps(p, x2, a22), a23 = _mm512_fmadd_ps(p, x3, a23);
+    }
+    if constexpr (RT > 3) {
+      p = _mm512_set1_ps(P[3 * ldp + t]);
+      a30 = _mm512_fmadd_ps(p, x0, a30), a31 = _mm512_fmadd_ps(p, x1, a31);
+      a32 = _mm512_fmadd_ps(p, x2, a32), a33 = _mm512_fmadd_ps(p, x3, a33);
+    }
+  }
+  pv_row_store<DT>(A, D, a00, a01, a02, a03);
+  if constexpr (RT > 1) pv_row_store<DT>(A + lda, D, a10, a11, a12, a13);
+  if constexpr (RT > 2) pv_row_store<DT>(A + 2 * lda, D, a20, a21, a22, a23);
+  if constexpr (RT > 3) pv_row_store<DT>(A + 3 * lda, D, a30, a31, a32, a33);
+}
+
 template <int NC, int DT>
 static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, const int64_t* offs,
                      int64_t n, int64_t D, float* A, int64_t lda, KvPrefetch& pf) {
@@ -286,6 +421,19 @@ static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, c
   for (int pc = 0; pc < NP; ++pc) {
     const int64_t left = D - pc * 32;
     m[pc] = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);
+  }
+  if constexpr (NP == 2) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= M; r0 += 4) dec_pv_rows2p<DT, 4>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda, pf);
+    const float* pr = P + r0 * ldp;
+    float* ar = A + r0 * lda;
+    switch (M - r0) {
+      case 1: dec_pv_rows2p<DT, 1>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
+      case 2: dec_pv_rows2p<DT, 2>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
+      case 3: dec_pv_rows2p<DT, 3>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
+      default: break;
+    }
+    return;
   }
   int64_t r0 = 0;
   for (; r0 + RT <= M; r0 += RT)
