@@ -214,10 +214,12 @@ static inline __m512 dot2p(const float* q, __m512 x0, __m512 x1, __m512 x2, __m5
   return _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), x3, acc);
 }
 
-// Token g's dot products with the RS query rows (qb: [RS][64] in the load32t layout).
+// One token's dot products with the RS query rows (qb: [RS][64] in the
+// load32t layout). Always inlined: called as a function, its reference
+// outputs put the caller's named accumulators back in memory.
 template <int DT, int RS>
-__attribute__((always_inline)) static inline void scores_token2p(const float* qb, const char* k, const __mmask32* m, __m512& s0, __m512& s1,
-                                  __m512& s2) {
+__attribute__((always_inline)) static inline void scores_token2p(const float* qb, const char* k, const __mmask32* m,
+                                                                 __m512& s0, __m512& s1, __m512& s2) {
   constexpr int64_t es = esz<DT>();
   __m512 x0, x1, x2, x3;
   load32t<DT>(k, m[0], x0, x1);
@@ -230,8 +232,9 @@ __attribute__((always_inline)) static inline void scores_token2p(const float* qb
 // Tokens 4j .. 4j + 3 (clamped to n - 1; those lanes are not stored), each
 // row's four dot-product vectors reduced to one (hsum4_lanes).
 template <int DT, int RS>
-__attribute__((always_inline)) static inline void scores_quad2p(const float* qb, const char* base, const int64_t* offs, int64_t n, int j,
-                                 const __mmask32* m, KvPrefetch& pf, __m512& c0, __m512& c1, __m512& c2) {
+__attribute__((always_inline)) static inline void scores_quad2p(const float* qb, const char* base, const int64_t* offs,
+                                                                int64_t n, int j, const __mmask32* m, KvPrefetch& pf,
+                                                                __m512& c0, __m512& c1, __m512& c2) {
   constexpr int64_t es = esz<DT>();
   const __m512 z = _mm512_setzero_ps();
   __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z, a20 = z, a21 = z, a22 = z, a23 = z;
