@@ -385,7 +385,8 @@ def _vllm_text(results: dict, dtype: str, missed: list[str], big: dict | None) -
         return ""
     sv, sf = vllm["summary"], fcfs["summary"]
     head = params.get("embedding_params", 0)  # the tied LM head: once per prompt, not per prompt token
-    prefill_s = sv["prompt_tokens"] * 2 * (params["matmul_params"] - head) / (b["gflops_weighted"] * 1e9)
+    prefill_flop = sv["prompt_tokens"] * 2 * (params["matmul_params"] - head)
+    prefill_s = prefill_flop / (b["gflops_weighted"] * 1e9)
     goal_s = sv["duration_s"] / VLLM_RATIO[cap]
     left_s = goal_s - prefill_s
     need = sv["output_tokens"] / left_s if left_s > 0 else math.inf
@@ -393,7 +394,7 @@ def _vllm_text(results: dict, dtype: str, missed: list[str], big: dict | None) -
                else "less than no time for the decode")
     return (f"1.5× vLLM-CPU at cap {cap}: vLLM took {sv['duration_s']:.2f} s for the run, cbserve "
             f"{sf['duration_s']:.2f} s; 1.5× is {goal_s:.2f} s. The {sv['prompt_tokens']} prompt tokens alone are "
-            f"{sv['prompt_tokens'] * 2 * (params['matmul_params'] - head) / 1e12:.2f} TFLOP of projections, "
+            f"{prefill_flop / 1e12:.2f} TFLOP of projections, "
             f"{prefill_s:.2f} s at this machine's matmul rate ({b['gflops_weighted']:.0f} GFLOP/s, the oneDNN "
             f"kernels vLLM's CPU build runs too), which leaves {max(0.0, left_s):.2f} s for "
             f"{sv['output_tokens']} output tokens: {verdict}, while the executor alone decodes "
