@@ -1,5 +1,5 @@
 """Linear layers at decode and prefill row counts: oneDNN's prepacked bf16
-kernel, plain `F.linear`, native `skinny_linear` and native `amx_linear`, over
+kernel, plain `F.linear`, native `avx512_linear` and native `amx_linear`, over
 all of SmolLM2-135M's projections (30 layers of fused q|k|v, o, fused gate|up
 and down, plus the tied LM head), and `amx_linear` over the same shapes as
 GGUF blocks (Q4_1 projections, Q8_0 LM head: SmolLM2's GGUF, what the
@@ -21,7 +21,6 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
 LM_HEAD = (49152, 576)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
-SKINNY_ROWS = 8  # skinny_linear is a decode kernel: not timed beyond this
 
 
 def _best(fn, reps: int) -> float:
@@ -57,13 +56,13 @@ def _kernels(weights, g: torch.Generator):
         torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)],
         bf16_bytes)
     out["F.linear"] = (None, lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], bf16_bytes)
-    if fused.skinny_linear_supported():
-        out["skinny_linear"] = (SKINNY_ROWS, lambda xs: [fused.skinny_linear(xs[w.shape[1]], w) for w in weights],
-                                bf16_bytes)
+    if fused.avx512_linear_supported():
+        tiles = [fused.amx_pack_weight(w) for w in weights]
+        out["avx512_linear"] = (None, lambda xs: [
+            fused.avx512_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, tiles)], bf16_bytes)
     if fused.amx_linear_supported():
-        amx = [fused.amx_pack_weight(w) for w in weights]
         out["amx_linear"] = (None, lambda xs: [
-            fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, amx)], bf16_bytes)
+            fused.amx_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, tiles)], bf16_bytes)
         raw = [_random_blocks(*w.shape, "q8_0" if tuple(w.shape) == LM_HEAD else "q4_1", g) for w in weights]
         blocks = [bw.pack() for bw in raw]
         out["amx_linear GGUF blocks"] = (None, lambda xs: [
@@ -117,8 +116,8 @@ def table(rows: list[dict]) -> str:
     lines.append("")
     lines.append(f"All projections of one model step ({mb['F.linear']:.0f} MB of bf16 weights"
                  + (f", {mb['amx_linear GGUF blocks']:.0f} MB as GGUF blocks" if "amx_linear GGUF blocks" in mb else "")
-                 + "), best of the timed loops. '-': not timed (skinny_linear is a decode kernel, "
-                 "the executor runs amx_q4_rows_linear up to 32 rows). 'PackedLinear runs': amx_linear is its "
+                 + "), best of the timed loops. '-': not timed (the executor runs amx_q4_rows_linear up to 32 rows). "
+                 "avx512_linear is what CPUs with AVX512-BF16 but no AMX run. 'PackedLinear runs': amx_linear is its "
                  "blocks variant where the model's GGUF blocks expand exactly to the loaded weights (SmolLM2), its "
                  "bf16-tile variant otherwise; up to 32 rows such a model's Q4_1 layers run amx_q4_rows_linear "
                  "instead (the column of that name: those layers on it, the Q8_0 LM head on amx_linear).")

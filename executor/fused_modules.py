@@ -44,6 +44,8 @@ class FusedMLP(torch.nn.Module):
     pass (`amx_linear_silu_mul`, weights packed by `amx_pack_gate_up`) that
     never writes the [T, 2I] projection, for any number of rows; bit-exact
     with the two-step path, and it keeps no plain copy of the fused weight.
+    On other AVX512-BF16 CPUs the same pass is `avx512_linear_silu_mul` over
+    the same packing.
     Over GGUF Q4_1 blocks, up to `Q4_ROWS_MAX_ROWS` rows, the same pass is
     `amx_q4_rows_linear` with its SiLU-and-mul epilogue (over a second copy
     of the blocks in its feature-major layout).
@@ -56,9 +58,15 @@ class FusedMLP(torch.nn.Module):
         self.inter = gate.out_features
         w = torch.cat([_weight(gate), _weight(up)], 0)
         amx = _amx_gate_up_ops(w)
+        avx512 = _avx512_gate_up_ops(w) if amx is None else None
         self.gate_up: PackedLinear | None = None
         self.packed_rows = None
-        if amx is not None:
+        self._silu_kernel = "amx_linear_silu_mul"
+        if avx512 is not None:
+            pack, self._gate_up_silu = avx512
+            self.packed_gate_up = pack(w)
+            self._silu_kernel = "avx512_linear_silu_mul"
+        elif amx is not None:
             from executor.gguf_weights import blocks_of, packed_rows, packed_tiles
 
             pack, self._gate_up_silu = amx
@@ -80,14 +88,14 @@ class FusedMLP(torch.nn.Module):
 
     @property
     def kernel(self) -> str:
-        """What computes silu(gate) * up: "amx_linear_silu_mul" (+ "-q4_1" / "-q8_0" over GGUF blocks)
-        or "<gate_up kernel> + silu_and_mul"."""
+        """What computes silu(gate) * up: "amx_linear_silu_mul" (+ "-q4_1" / "-q8_0" over GGUF blocks),
+        "avx512_linear_silu_mul" or "<gate_up kernel> + silu_and_mul"."""
         if self.gate_up is not None:
             return f"{self.gate_up.kernel} + silu_and_mul"
         from executor.gguf_weights import packed_kind
 
         kind = packed_kind(self.packed_gate_up)
-        return "amx_linear_silu_mul" if kind is None else f"amx_linear_silu_mul-{kind}"
+        return self._silu_kernel if kind is None else f"{self._silu_kernel}-{kind}"
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), [..., I]."""
@@ -111,6 +119,15 @@ def _amx_gate_up_ops(w: torch.Tensor):
         return None
     fused = _fused()
     return fused.amx_pack_gate_up, fused.amx_linear_silu_mul
+
+
+def _avx512_gate_up_ops(w: torch.Tensor):
+    """(amx_pack_gate_up, avx512_linear_silu_mul): the same pass with AVX512-BF16
+    dot products, where the CPU has those but no AMX; else None."""
+    if w.dtype != torch.bfloat16 or (w.shape[0] // 2) % 16 != 0 or packed_linear.avx512_ops() is None:
+        return None
+    fused = _fused()
+    return fused.amx_pack_gate_up, fused.avx512_linear_silu_mul
 
 
 def _weight(linear: torch.nn.Module) -> torch.Tensor:

@@ -19,7 +19,7 @@
 #include "cpu_isa.h"
 #include "amx_linear.h"
 #include "amx_q4_rows.h"
-#include "skinny_linear.h"
+#include "avx512_linear.h"
 
 namespace {
 
@@ -504,11 +504,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>(),
         "rope_split with k and v written into their slots of the paged KV cache "
         "([num_blocks, block_size, Hkv, D]; a negative slot skips the token); returns q [T, Hq, D].");
-  m.def("skinny_linear", &cbserve_fused::skinny_linear, py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
-        "x [M, K] @ weight [N, K]^T (+ bias) in bf16 for a few rows (decode), streaming the weights once; "
-        "AVX512-BF16 CPUs only (see skinny_linear_supported).");
-  m.def("skinny_linear_supported", &cbserve_fused::skinny_linear_supported);
   m.def("amx_pack_weight", &cbserve_fused::amx_pack_weight, py::arg("weight"),
         "weight [N, K] bf16 -> the zero-padded AMX tile layout amx_linear reads.");
   m.def("amx_linear", &cbserve_fused::amx_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
@@ -531,6 +526,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "uint8 Q4_1 / Q8_0 blocks [N/16, K/32, 320 | 544] -> the bf16 tiles the AMX kernels expand them to "
         "(the amx_pack_weight layout). AMX-BF16 CPUs only.");
   m.def("amx_linear_supported", &cbserve_fused::amx_linear_supported);
+  m.def("avx512_linear", &cbserve_fused::avx512_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        "x [M, K] @ weight^T (+ bias) in bf16 with AVX512-BF16 dot products, weight packed by amx_pack_weight; "
+        "AVX512-BF16 CPUs, AMX not needed (see avx512_linear_supported).");
+  m.def("avx512_linear_silu_mul", &cbserve_fused::avx512_linear_silu_mul, py::arg("x"), py::arg("packed"),
+        py::arg("inter"), py::call_guard<py::gil_scoped_release>(),
+        "silu(x @ gate^T) * (x @ up^T) [M, inter] in bf16 with AVX512-BF16 dot products, weights packed by "
+        "amx_pack_gate_up; AVX512-BF16 CPUs (see avx512_linear_supported).");
+  m.def("avx512_linear_supported", &cbserve_fused::avx512_linear_supported);
   m.def("amx_q4_rows_linear", &cbserve_fused::amx_q4_rows_linear, py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("silu_inter") = 0, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] @ weight^T in bf16, weight as Q4_1 blocks in the feature-major layout "

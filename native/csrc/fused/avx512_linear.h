@@ -1,0 +1,22 @@
+// bf16 linear layer on AVX512-BF16 dot products over the AMX tile layout
+// (avx512_linear.cpp), for CPUs without AMX; bound in fused_ops.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace cbserve_fused {
+
+// Whether this CPU runs avx512_linear (AVX512-BF16; AMX not needed).
+bool avx512_linear_supported();
+
+// y [M, N] = x [M, K] · weightᵀ (+ bias [N]), bf16, with `packed` from
+// amx_pack_weight (bf16 tiles [N/16, K/32, 16, 16, 2]; any K, any N).
+torch::Tensor avx512_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                            const c10::optional<torch::Tensor>& bias);
+
+// y [M, I] = silu(x · gateᵀ) * (x · upᵀ), bf16, `packed` from
+// amx_pack_gate_up, with the Hugging Face MLP's rounding points (as
+// amx_linear_silu_mul): the [M, 2I] projection is never written.
+torch::Tensor avx512_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter);
+
+}  // namespace cbserve_fused
