@@ -56,8 +56,8 @@ def _kernels(weights, g: torch.Generator):
         torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)],
         bf16_bytes)
     out["F.linear"] = (None, lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], bf16_bytes)
+    tiles = [fused.amx_pack_weight(w) for w in weights] if fused.avx512_linear_supported() else []
     if fused.avx512_linear_supported():
-        tiles = [fused.amx_pack_weight(w) for w in weights]
         out["avx512_linear"] = (None, lambda xs: [
             fused.avx512_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, tiles)], bf16_bytes)
     if fused.amx_linear_supported():

@@ -30,7 +30,7 @@ PERF_CORES_SERVED, PERF_WAIT_SERVED = 1.78, 0.177
 # Where the measurements quoted as constants in the prose were taken.
 XEON = "the 2-core Xeon with AMX of the earlier runs"
 # All 210 Q4_1 projections of SmolLM2 at one row on a 2-core Zen4 without
-# AMX (skinny_linear over the bf16 weights, against the same blocks expanded
+# AMX (dot products over the bf16 weights, against the same blocks expanded
 # with AVX-512 BF16 table lookups and multiplied as bf16): ms.
 ZEN4_BF16_ROW_MS, ZEN4_Q4_ROW_MS = 7.0, 8.1
 
@@ -330,12 +330,13 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
                         for r in sorted(mb_runs, key=lambda r: int(r["cap"])))
         share = one["memory_roof_share"]
         if not has_amx(results):
-            bound = (f"Without AMX the projections stream their bf16 weights (2 bytes a weight; skinny_linear up "
-                     f"to 4 rows, oneDNN above). The GGUF's 4-bit blocks would be 5/16 of those bytes, but "
+            bound = (f"Without AMX the projections stream their bf16 weights (2 bytes a weight; avx512_linear, "
+                     f"vdpbf16ps dot products over the AMX tile layout, at every row count). The GGUF's 4-bit "
+                     f"blocks would be 5/16 of those bytes, but "
                      f"expanding them with AVX-512 alone costs more than it saves: all of SmolLM2's projections "
                      f"at one row took {ZEN4_Q4_ROW_MS:.1f} ms from the blocks (expanded exactly to the bf16 "
                      f"weights by table lookups, then multiplied as bf16) against {ZEN4_BF16_ROW_MS:.1f} ms for "
-                     f"skinny_linear over the bf16 weights on a 2-core Zen4, so it was not adopted; what would "
+                     f"dot products over the bf16 weights on a 2-core Zen4, so it was not adopted; what would "
                      f"raise these ratios is a cheaper expansion (multiplying the 4-bit integers and applying "
                      f"each block's scale and minimum afterwards, which rounds differently and so changes the "
                      f"numerics), and at batch 64 the phases above.")

@@ -10,9 +10,10 @@
 // vector, and one feature block's whole K sweep is contiguous. A register
 // block of up to kMR rows of x by kNV feature blocks (24 fp32 accumulators)
 // takes, per k-pair, kNV weight vectors and one broadcast pair of x per row;
-// each thread sweeps its contiguous run of feature blocks front to back, all
+// each thread sweeps its contiguous share of feature blocks front to back, all
 // rows of x per group of blocks (the group's weights stay in L1/L2 for the
-// later row blocks), so the weights stream from memory once per call.
+// later row blocks; its first row block prefetches the next group's into L2),
+// so the weights stream from memory once per call.
 //
 // avx512_linear_silu_mul is the MLP's gate|up projection with the SiLU-and-mul
 // epilogue (weights from amx_pack_gate_up: gate block j, then up block j), as
@@ -169,7 +170,12 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const u
   a.silu = silu;
   if (a.M == 0) return;
   const int64_t nblocks = ceil_div(N, kBlockN);
-  // Units a thread takes: one block, or a (gate, up) pair of blocks.
+  // A fixed contiguous share of units per thread (a unit: one block, or a
+  // (gate, up) pair). Claiming runs of blocks from an atomic counter, as
+  // amx_linear does, was slower here both alone (SmolLM2's projections at
+  // 16 / 64 rows +5 %) and in the server (cap-128 classic run 315-318 against
+  // 322-333 tok/s): runs of whole 4-block groups split the small layers
+  // unevenly (9 runs for o_proj's 36 blocks).
   const int64_t unit = silu ? 2 : 1;
   at::parallel_for(0, nblocks / unit, 1, [&](int64_t u0, int64_t u1) { blocks(a, u0 * unit, u1 * unit); });
 }
