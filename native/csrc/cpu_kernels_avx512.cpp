@@ -503,10 +503,26 @@ static inline bool dec_pv_fast(const float* P, int64_t ldp, int64_t M, const cha
 
 #include "attn_body.h"
 #include "attn_amx.h"
+#include "attn_dp.h"
 
 namespace cbserve_native {
+// The AVX-512 kernels, with bf16 prefill items (more than kDecodeMaxRows
+// rows, head_dim 32 / 64 / 96 / 128; a bf16 or fp8 e5m2 cache) on AVX512-BF16
+// dot products where the CPU has them (attn_dp.h).
 bool attn_item_avx512(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
                      float* scratch) {
+  static const bool dp = __builtin_cpu_supports("avx512bf16");
+  if (dp && p.dtype == kBF16 && (p.kv_dtype == kBF16 || p.kv_dtype == kFP8E5M2) &&
+      !is_decode_item(it, p.hq / p.hkv) && p.head_dim % 32 == 0) {
+    const bool f8 = p.kv_dtype == kFP8E5M2;
+    switch (p.head_dim / 32) {
+      case 1: return f8 ? attn_prefill_dp<1, true>(p, it, scratch) : attn_prefill_dp<1, false>(p, it, scratch);
+      case 2: return f8 ? attn_prefill_dp<2, true>(p, it, scratch) : attn_prefill_dp<2, false>(p, it, scratch);
+      case 3: return f8 ? attn_prefill_dp<3, true>(p, it, scratch) : attn_prefill_dp<3, false>(p, it, scratch);
+      case 4: return f8 ? attn_prefill_dp<4, true>(p, it, scratch) : attn_prefill_dp<4, false>(p, it, scratch);
+      default: break;
+    }
+  }
   return attn_item_impl(p, it, next, prefetched, scratch);
 }
 

@@ -164,3 +164,31 @@ def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_s
         assert not out.isnan().any()
         assert (out.float() - want).abs().max().item() <= tolerance(torch.bfloat16)
     assert (got["amx"].float() - got["avx512"].float()).abs().max().item() <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.skipif("avx512" not in SUPPORTED_ISAS or "avx2" not in SUPPORTED_ISAS
+                    or not native.cpu_features()["avx512_bf16"], reason="needs an AVX512-BF16 CPU")
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("logit_scale", [1.0, 30.0])
+def test_avx512_bf16_prefill_items_match_the_reference_and_the_fp32_kernels(d, block_size, logit_scale):
+    """bf16 prefill items on vdpbf16ps register blocks (attn_dp.h, the
+    avx512 kernels on an AVX512-BF16 CPU): the same batch shapes as the AMX
+    test, against the reference and the avx2 kernels' fp32 FMA path."""
+    batch = make_batch([300, 1, 37, 5], [0, 150, 260, 40], hq=6, hkv=2, d=d, block_size=block_size,
+                       dtype=torch.bfloat16, seed=d + block_size)
+    batch["query"] *= logit_scale
+    scale = d ** -0.5
+    want = reference(batch, scale)
+    before = native.cpu_features()["isa"]
+    try:
+        got = {}
+        for isa in ("avx512", "avx2"):
+            native._set_isa(isa)
+            got[isa] = attend(batch, scale)
+    finally:
+        native._set_isa(before)
+    for out in got.values():
+        assert not out.isnan().any()
+        assert (out.float() - want).abs().max().item() <= tolerance(torch.bfloat16)
+    assert (got["avx512"].float() - got["avx2"].float()).abs().max().item() <= tolerance(torch.bfloat16)
