@@ -19,6 +19,9 @@
 
 #define CB_AMX_ATTN \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")))
+// The helpers below use no tile instruction: attn_dp.h's vdpbf16ps path for
+// CPUs without AMX shares them (the AMX functions inline them).
+#define CB_DP_ATTN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")))
 
 namespace {
 
@@ -30,7 +33,7 @@ CB_AMX_ATTN static inline void amx_attn_config() {
 }
 
 // 32 fp8 e5m2 values as 32 bf16 (exact: every e5m2 value is a bf16 value).
-CB_AMX_ATTN static inline __m512 e5m2x32_to_bf16(const uint8_t* p) {
+CB_DP_ATTN static inline __m512 e5m2x32_to_bf16(const uint8_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return (__m512)_mm512_cvtne2ps_pbh(e5m2x16_to_ps(_mm256_extracti128_si256(raw, 1)),
                                      e5m2x16_to_ps(_mm256_castsi256_si128(raw)));
@@ -39,7 +42,7 @@ CB_AMX_ATTN static inline __m512 e5m2x32_to_bf16(const uint8_t* p) {
 // 16 cache elements from element offset `o` as 16 bf16: a bf16 cache is read
 // as is, an fp8 e5m2 one widened.
 template <bool F8>
-CB_AMX_ATTN static inline __m256i kv_bf16x16(const void* cache, int64_t o) {
+CB_DP_ATTN static inline __m256i kv_bf16x16(const void* cache, int64_t o) {
   if constexpr (F8) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(cache) + o));
     return (__m256i)_mm512_cvtneps_pbh(e5m2x16_to_ps(raw));
@@ -52,7 +55,7 @@ CB_AMX_ATTN static inline __m256i kv_bf16x16(const void* cache, int64_t o) {
 // row dp holds, for each token t, the pair K[t, 32 c + 2 dp .. + 1] — the
 // transpose of the tokens' 16-dword rows. Tokens >= n are zero.
 template <bool F8>
-CB_AMX_ATTN static inline void amx_pack_k(const void* kc, const int64_t* offs, int64_t n, int64_t g, int64_t c,
+CB_DP_ATTN static inline void amx_pack_k(const void* kc, const int64_t* offs, int64_t n, int64_t g, int64_t c,
                                           uint16_t* tile) {
   __m512 r[16];
   for (int t = 0; t < 16; ++t) {
@@ -72,7 +75,7 @@ CB_AMX_ATTN static inline void amx_pack_k(const void* kc, const int64_t* offs, i
 // Vb tile (c, b) for tokens [32 c, 32 c + 32) and dims [16 b, 16 b + 16):
 // row tp holds, for each dim, the pair (V[32 c + 2 tp, d], V[32 c + 2 tp + 1, d]).
 template <bool F8>
-CB_AMX_ATTN static inline void amx_pack_v(const void* vc, const int64_t* offs, int64_t n, int64_t c, int64_t b,
+CB_DP_ATTN static inline void amx_pack_v(const void* vc, const int64_t* offs, int64_t n, int64_t c, int64_t b,
                                           uint16_t* tile) {
   const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -82,6 +85,102 @@ CB_AMX_ATTN static inline void amx_pack_v(const void* vc, const int64_t* offs, i
     const __m256i vb = a + 1 < n ? kv_bf16x16<F8>(vc, offs[a + 1] + 16 * b) : _mm256_setzero_si256();
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
     _mm512_storeu_si512(tile + 32 * tp, _mm512_permutexvar_epi16(il, both));
+  }
+}
+
+// The prefill paths' scratch (attn_scratch_floats covers it) for M rows,
+// head dim D and NP tokens a KV tile: Acc [M, D], max / sum [M], S [Mpad, NP]
+// fp32; Q [Mpad, D], P [Mpad, NP] bf16; K tiles [NP / 16][D / 32], V tiles
+// [NP / 32][D / 16]; one fp32 tile; the KV tile's cache rows.
+struct PrefillBufs {
+  float* Acc;
+  float* mrow;
+  float* lrow;
+  float* S;
+  uint16_t* Qb;
+  uint16_t* Pb;
+  uint16_t* Kb;
+  uint16_t* Vb;
+  float* tmp;
+  int64_t* offs;
+};
+
+static inline PrefillBufs prefill_bufs(float* scratch, int64_t M, int64_t D, int64_t NP) {
+  const int64_t Mpad = round_up(M, 16);
+  PrefillBufs b;
+  b.Acc = scratch;
+  b.mrow = b.Acc + M * D;
+  b.lrow = b.mrow + Mpad;
+  b.S = b.lrow + Mpad;
+  b.Qb = reinterpret_cast<uint16_t*>(b.S + Mpad * NP);
+  b.Pb = b.Qb + Mpad * D;
+  b.Kb = b.Pb + Mpad * NP;
+  b.Vb = b.Kb + NP * D;
+  b.tmp = reinterpret_cast<float*>(b.Vb + NP * D);
+  b.offs = reinterpret_cast<int64_t*>(b.tmp + 256);
+  return b;
+}
+
+// K^T and V of the KV tile's n tokens from t0 into their VNNI tiles.
+template <int DC, bool F8>
+CB_DP_ATTN static inline void prefill_pack_tile(const AttnParams& p, const AttnItem& it, int64_t t0, int64_t n,
+                                                int64_t* offs, uint16_t* Kb, uint16_t* Vb) {
+  const int64_t DB = p.head_dim / 16;
+  item_offsets(p, it, t0, n, offs);  // K and V share the layout
+  for (int64_t g = 0; g < round_up(n, 16) / 16; ++g)
+    for (int64_t c = 0; c < DC; ++c) amx_pack_k<F8>(p.key_cache, offs, n, g, c, Kb + (g * DC + c) * 512);
+  for (int64_t c = 0; c < round_up(n, 32) / 32; ++c)
+    for (int64_t b = 0; b < DB; ++b) amx_pack_v<F8>(p.value_cache, offs, n, c, b, Vb + (c * DB + b) * 512);
+}
+
+// Queries of an item's M rows as bf16 [Mpad, D] (rows past M zero), zeroed
+// fp32 accumulators [M, D], running max and sum of each row.
+CB_DP_ATTN static inline void prefill_rows_init(const AttnParams& p, const AttnItem& it, int64_t M, int64_t Mpad,
+                                                uint16_t* Qb, float* Acc, float* mrow, float* lrow) {
+  const int64_t D = p.head_dim;
+  const uint16_t* qsrc = static_cast<const uint16_t*>(p.query);
+  for (int64_t r = 0; r < Mpad; ++r) {
+    uint16_t* qr = Qb + r * D;
+    if (r < M) {
+      __builtin_memcpy(qr, qsrc + row_offset(p, it, r), D * 2);
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(Acc + r * D + d, _mm512_setzero_ps());
+      mrow[r] = -__builtin_inff();
+      lrow[r] = 0.f;
+    } else {
+      __builtin_memset(qr, 0, D * 2);
+    }
+  }
+}
+
+// One KV tile's scores S [rows, NP] (tokens t0 .. t0 + n) of rows [r0, r1):
+// scale, causal mask, online softmax (rescaling Acc), then P rows as bf16
+// [rows, NP] up to the 32-token boundary; zero rows where a row sees nothing
+// of this tile (r < r_start) or is padding (r >= M).
+CB_DP_ATTN static inline void prefill_softmax_tile(const AttnParams& p, const AttnItem& it, float* S, uint16_t* Pb,
+                                                   int64_t NP, float* Acc, float* mrow, float* lrow, int64_t r0,
+                                                   int64_t r1, int64_t M, int64_t r_start, int64_t t0, int64_t n) {
+  const int64_t D = p.head_dim, G = p.hq / p.hkv;
+  const int64_t ctx = p.seq_lens[it.seq] - (p.cu_seqlens[it.seq + 1] - p.cu_seqlens[it.seq]);
+  const int64_t n16 = round_up(n, 16), n32 = round_up(n, 32);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const float ninf = -__builtin_inff();
+  for (int64_t r = r0; r < r1; ++r) {
+    uint16_t* pr = Pb + r * NP;
+    if (r < r_start || r >= M) {
+      for (int64_t c = 0; c < n32; c += 32) _mm512_storeu_si512(pr + c, _mm512_setzero_si512());
+      continue;
+    }
+    const int64_t pos = ctx + it.q_begin + r / G;
+    const int64_t vis = cb_min(n, pos - t0 + 1);
+    float* s = S + r * NP;
+    for (int64_t c = 0; c < n16; c += 16) {
+      const __mmask16 keep = tail_mask(vis - c > 0 ? vis - c : 0);
+      _mm512_storeu_ps(s + c, _mm512_mask_mul_ps(_mm512_set1_ps(ninf), keep, _mm512_loadu_ps(s + c), scale));
+    }
+    online_softmax_row(s, n16, mrow[r], lrow[r], Acc + r * D, D);
+    for (int64_t c = 0; c < n16; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
+    if (n32 > n16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + n16), _mm256_setzero_si256());
   }
 }
 
@@ -127,37 +226,13 @@ CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it
   const int64_t NP = round_up(KT, 32), DB = D / 16;
   const int64_t DP = D;  // D % 32 == 0
 
-  float* Acc = scratch;                                      // [M, D] fp32
-  float* mrow = Acc + M * DP;                                // [M]
-  float* lrow = mrow + round_up(M, 16);                      // [M]
-  float* S = lrow + round_up(M, 16);                         // [Mpad, NP] fp32
-  uint16_t* Qb = reinterpret_cast<uint16_t*>(S + Mpad * NP);  // [Mpad, D] bf16
-  uint16_t* Pb = Qb + Mpad * D;                              // [Mpad, NP] bf16
-  uint16_t* Kb = Pb + Mpad * NP;                             // [NP / 16][DC] tiles
-  uint16_t* Vb = Kb + NP * D;                                // [NP / 32][DB] tiles
-  float* tmp = reinterpret_cast<float*>(Vb + NP * D);        // one fp32 tile
-  int64_t* offs = reinterpret_cast<int64_t*>(tmp + 256);     // [KT] cache rows of the tile (elements)
+  const auto [Acc, mrow, lrow, S, Qb, Pb, Kb, Vb, tmp, offs] = prefill_bufs(scratch, M, D, NP);
 
-  const uint16_t* qsrc = static_cast<const uint16_t*>(p.query);
-  for (int64_t r = 0; r < Mpad; ++r) {
-    uint16_t* qr = Qb + r * D;
-    if (r < M) {
-      __builtin_memcpy(qr, qsrc + row_offset(p, it, r), D * 2);
-      for (int64_t d = 0; d < DP; d += 16) _mm512_storeu_ps(Acc + r * DP + d, _mm512_setzero_ps());
-      mrow[r] = -__builtin_inff();
-      lrow[r] = 0.f;
-    } else {
-      __builtin_memset(qr, 0, D * 2);
-    }
-  }
+  prefill_rows_init(p, it, M, Mpad, Qb, Acc, mrow, lrow);
 
   amx_attn_config();
   const int64_t kv_hi = item_kv_end(p, it);
   const int64_t ntiles = (kv_hi + KT - 1) / KT;
-  const void* kc = p.key_cache;
-  const void* vc = p.value_cache;
-  const __m512 scale = _mm512_set1_ps(p.scale);
-  const float ninf = -__builtin_inff();
 
   for (int64_t j = 0; j < ntiles; ++j) {
     const int64_t t0 = j * KT;
@@ -166,34 +241,11 @@ CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it
     const int64_t r_start = cb_max(0, t0 - ctx - it.q_begin) * G;  // first row that sees this tile
     const int64_t rt0 = r_start / 16;
 
-    item_offsets(p, it, t0, n, offs);  // K and V share the layout
-    for (int64_t g = 0; g < n16 / 16; ++g)
-      for (int64_t c = 0; c < DC; ++c) amx_pack_k<F8>(kc, offs, n, g, c, Kb + (g * DC + c) * 512);
-    for (int64_t c = 0; c < n32 / 32; ++c)
-      for (int64_t b = 0; b < DB; ++b) amx_pack_v<F8>(vc, offs, n, c, b, Vb + (c * DB + b) * 512);
+    prefill_pack_tile<DC, F8>(p, it, t0, n, offs, Kb, Vb);
 
     for (int64_t rt = rt0; rt < Mpad / 16; ++rt) amx_scores<DC>(Qb + rt * 16 * D, D, Kb, n16, S + rt * 16 * NP, NP);
 
-    // Scale, mask, online softmax; P rows to bf16 (zero where a row sees
-    // nothing of this tile, or is padding).
-    for (int64_t r = rt0 * 16; r < Mpad; ++r) {
-      uint16_t* pr = Pb + r * NP;
-      if (r < r_start || r >= M) {
-        for (int64_t c = 0; c < n32; c += 32) _mm512_storeu_si512(pr + c, _mm512_setzero_si512());
-        continue;
-      }
-      const int64_t pos = ctx + it.q_begin + r / G;
-      const int64_t vis = cb_min(n, pos - t0 + 1);
-      float* s = S + r * NP;
-      for (int64_t c = 0; c < n16; c += 16) {
-        const __mmask16 keep = tail_mask(vis - c > 0 ? vis - c : 0);
-        _mm512_storeu_ps(s + c, _mm512_mask_mul_ps(_mm512_set1_ps(ninf), keep, _mm512_loadu_ps(s + c), scale));
-      }
-      online_softmax_row(s, n16, mrow[r], lrow[r], Acc + r * DP, DP);
-      for (int64_t c = 0; c < n16; c += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
-      if (n32 > n16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + n16), _mm256_setzero_si256());
-    }
+    prefill_softmax_tile(p, it, S, Pb, NP, Acc, mrow, lrow, rt0 * 16, Mpad, M, r_start, t0, n);
 
     for (int64_t rt = rt0; rt < Mpad / 16; ++rt) {
       const uint16_t* prow = Pb + rt * 16 * NP;

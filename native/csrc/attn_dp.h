@@ -13,8 +13,6 @@
 // reads are half the bytes.
 #pragma once
 
-#define CB_DP_ATTN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")))
-
 namespace {
 
 constexpr int kDpRows = 6;  // rows of a register block
@@ -97,35 +95,16 @@ CB_DP_ATTN static bool attn_prefill_dp(const AttnParams& p, const AttnItem& it, 
   const int64_t ctx = p.seq_lens[it.seq] - q_len;
   const int64_t M = (it.q_end - it.q_begin) * G;
   if (M <= 0) return false;
-  const int64_t Mpad = round_up(M, 16);
   const int64_t KT = cbserve_native::kv_tile(p.block_size, M);
   const int64_t NP = round_up(KT, 32), DB = D / 16;
   const int64_t DP = D;  // D % 32 == 0
 
-  float* Acc = scratch;                                      // [M, D] fp32
-  float* mrow = Acc + M * DP;                                // [M]
-  float* lrow = mrow + round_up(M, 16);                      // [M]
-  float* S = lrow + round_up(M, 16);                         // [M, NP] fp32
-  uint16_t* Qb = reinterpret_cast<uint16_t*>(S + Mpad * NP);  // [M, D] bf16
-  uint16_t* Pb = Qb + Mpad * D;                              // [M, NP] bf16
-  uint16_t* Kb = Pb + Mpad * NP;                             // [NP / 16][DC] tiles
-  uint16_t* Vb = Kb + NP * D;                                // [NP / 32][DB] tiles
-  int64_t* offs = reinterpret_cast<int64_t*>(Vb + NP * D + 512);  // [KT] cache rows of the tile (elements)
-
-  const uint16_t* qsrc = static_cast<const uint16_t*>(p.query);
-  for (int64_t r = 0; r < M; ++r) {
-    __builtin_memcpy(Qb + r * D, qsrc + row_offset(p, it, r), D * 2);
-    for (int64_t d = 0; d < DP; d += 16) _mm512_storeu_ps(Acc + r * DP + d, _mm512_setzero_ps());
-    mrow[r] = -__builtin_inff();
-    lrow[r] = 0.f;
-  }
+  const auto [Acc, mrow, lrow, S, Qb, Pb, Kb, Vb, tmp, offs] = prefill_bufs(scratch, M, D, NP);
+  (void)tmp;
+  prefill_rows_init(p, it, M, M, Qb, Acc, mrow, lrow);
 
   const int64_t kv_hi = item_kv_end(p, it);
   const int64_t ntiles = (kv_hi + KT - 1) / KT;
-  const void* kc = p.key_cache;
-  const void* vc = p.value_cache;
-  const __m512 scale = _mm512_set1_ps(p.scale);
-  const float ninf = -__builtin_inff();
 
   for (int64_t j = 0; j < ntiles; ++j) {
     const int64_t t0 = j * KT;
@@ -134,30 +113,12 @@ CB_DP_ATTN static bool attn_prefill_dp(const AttnParams& p, const AttnItem& it, 
     const int64_t r_start = cb_max(0, t0 - ctx - it.q_begin) * G;  // first row that sees this tile
     const int64_t rows = M - r_start;
 
-    item_offsets(p, it, t0, n, offs);  // K and V share the layout
-    for (int64_t g = 0; g < n16 / 16; ++g)
-      for (int64_t c = 0; c < DC; ++c) amx_pack_k<F8>(kc, offs, n, g, c, Kb + (g * DC + c) * 512);
-    for (int64_t c = 0; c < n32 / 32; ++c)
-      for (int64_t b = 0; b < DB; ++b) amx_pack_v<F8>(vc, offs, n, c, b, Vb + (c * DB + b) * 512);
+    prefill_pack_tile<DC, F8>(p, it, t0, n, offs, Kb, Vb);
 
     // S = Q . K^T: D / 2 pairs; token group g's DC tiles are contiguous.
     dp_product<false>(Qb + r_start * D, D, rows, D / 2, Kb, 512, DC * 512, n16 / 16, S + r_start * NP, NP);
 
-    // Scale, mask, online softmax; P rows to bf16 (zero past the tile's tokens).
-    for (int64_t r = r_start; r < M; ++r) {
-      uint16_t* pr = Pb + r * NP;
-      const int64_t pos = ctx + it.q_begin + r / G;
-      const int64_t vis = cb_min(n, pos - t0 + 1);
-      float* s = S + r * NP;
-      for (int64_t c = 0; c < n16; c += 16) {
-        const __mmask16 keep = tail_mask(vis - c > 0 ? vis - c : 0);
-        _mm512_storeu_ps(s + c, _mm512_mask_mul_ps(_mm512_set1_ps(ninf), keep, _mm512_loadu_ps(s + c), scale));
-      }
-      online_softmax_row(s, n16, mrow[r], lrow[r], Acc + r * DP, DP);
-      for (int64_t c = 0; c < n16; c += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
-      if (n32 > n16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + n16), _mm256_setzero_si256());
-    }
+    prefill_softmax_tile(p, it, S, Pb, NP, Acc, mrow, lrow, r_start, M, M, r_start, t0, n);
 
     // Acc += P . V: n32 / 2 token pairs; the 32-token tiles of one dim block
     // are DB tiles apart.

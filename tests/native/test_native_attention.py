@@ -138,15 +138,12 @@ def test_whole_row_and_per_head_items_agree_bitwise(isa):
     assert (whole.float() - reference(batch, 0.125)).abs().max().item() <= tolerance(torch.bfloat16)
 
 
-@pytest.mark.skipif("amx" not in SUPPORTED_ISAS, reason="needs an AMX-BF16 CPU")
-@pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("logit_scale", [1.0, 30.0])
-def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_size, logit_scale):
-    """bf16 prefill items on AMX tiles: a prompt over several KV tiles, a
-    chunk after cached context, row counts that are not a multiple of 16,
-    decode rows in the same call, and scores far from 0 (online softmax
-    across tiles with bf16 probabilities)."""
+def _prefill_items_on(isas, d, block_size, logit_scale):
+    """bf16 prefill items (a prompt over several KV tiles, a chunk after cached
+    context, row counts that are not a multiple of 16, decode rows in the same
+    call, scores far from 0 for the online softmax across tiles with bf16
+    probabilities) on each of `isas`: every output against the reference, and
+    the first ISA's against the others'."""
     batch = make_batch([300, 1, 37, 5], [0, 150, 260, 40], hq=6, hkv=2, d=d, block_size=block_size,
                        dtype=torch.bfloat16, seed=d + block_size)
     batch["query"] *= logit_scale
@@ -155,7 +152,7 @@ def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_s
     before = native.cpu_features()["isa"]
     try:
         got = {}
-        for isa in ("amx", "avx512"):
+        for isa in isas:
             native._set_isa(isa)
             got[isa] = attend(batch, scale)
     finally:
@@ -163,7 +160,17 @@ def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_s
     for out in got.values():
         assert not out.isnan().any()
         assert (out.float() - want).abs().max().item() <= tolerance(torch.bfloat16)
-    assert (got["amx"].float() - got["avx512"].float()).abs().max().item() <= tolerance(torch.bfloat16)
+    for isa in isas[1:]:
+        assert (got[isas[0]].float() - got[isa].float()).abs().max().item() <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.skipif("amx" not in SUPPORTED_ISAS, reason="needs an AMX-BF16 CPU")
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("logit_scale", [1.0, 30.0])
+def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_size, logit_scale):
+    """bf16 prefill items on AMX tiles."""
+    _prefill_items_on(("amx", "avx512"), d, block_size, logit_scale)
 
 
 @pytest.mark.skipif("avx512" not in SUPPORTED_ISAS or "avx2" not in SUPPORTED_ISAS
@@ -172,23 +179,6 @@ def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_s
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("logit_scale", [1.0, 30.0])
 def test_avx512_bf16_prefill_items_match_the_reference_and_the_fp32_kernels(d, block_size, logit_scale):
-    """bf16 prefill items on vdpbf16ps register blocks (attn_dp.h, the
-    avx512 kernels on an AVX512-BF16 CPU): the same batch shapes as the AMX
-    test, against the reference and the avx2 kernels' fp32 FMA path."""
-    batch = make_batch([300, 1, 37, 5], [0, 150, 260, 40], hq=6, hkv=2, d=d, block_size=block_size,
-                       dtype=torch.bfloat16, seed=d + block_size)
-    batch["query"] *= logit_scale
-    scale = d ** -0.5
-    want = reference(batch, scale)
-    before = native.cpu_features()["isa"]
-    try:
-        got = {}
-        for isa in ("avx512", "avx2"):
-            native._set_isa(isa)
-            got[isa] = attend(batch, scale)
-    finally:
-        native._set_isa(before)
-    for out in got.values():
-        assert not out.isnan().any()
-        assert (out.float() - want).abs().max().item() <= tolerance(torch.bfloat16)
-    assert (got["avx512"].float() - got["avx2"].float()).abs().max().item() <= tolerance(torch.bfloat16)
+    """bf16 prefill items on vdpbf16ps register blocks (attn_dp.h, the avx512
+    kernels on an AVX512-BF16 CPU), against the avx2 kernels' fp32 FMA path."""
+    _prefill_items_on(("avx512", "avx2"), d, block_size, logit_scale)

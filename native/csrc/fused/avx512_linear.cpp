@@ -64,6 +64,24 @@ struct Args {
   bool silu;
 };
 
+// acc[r][v] += k-pair p of rows [0, R) of x against blocks [0, NV) of w;
+// LAST: the odd K's final pair, x[K - 1] and the packing's zero.
+template <int R, int NV, bool LAST>
+CB_AVX512BF16 __attribute__((always_inline)) inline void kpair(__m512 (&acc)[R][NV], const uint16_t* w,
+                                                               int64_t panel, const uint16_t* x, int64_t K,
+                                                               int64_t p) {
+  __m512bh wv[NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * panel + p * 2 * kBlockN);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(LAST ? static_cast<int32_t>(x[r * K + K - 1])
+                                                         : pair_at(x + r * K, p));
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xb);
+  }
+}
+
 // Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV).
 template <int R, int NV>
 CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb) {
@@ -82,30 +100,9 @@ CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb) {
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) _mm_prefetch(pf + (v * a.panel + p * 2 * kBlockN) * 2, _MM_HINT_T1);
     }
-    __m512bh wv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      wv[v] = (__m512bh)_mm512_loadu_si512(w + v * a.panel + p * 2 * kBlockN);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair_at(x + r * a.K, p));
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xb);
-    }
+    kpair<R, NV, false>(acc, w, a.panel, x, a.K, p);
   }
-  if (a.K & 1) {  // the last k-pair: x[K - 1] and the packing's zero
-    const int64_t p = pairs;
-    __m512bh wv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      wv[v] = (__m512bh)_mm512_loadu_si512(w + v * a.panel + p * 2 * kBlockN);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * a.K + a.K - 1]));
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xb);
-    }
-  }
+  if (a.K & 1) kpair<R, NV, true>(acc, w, a.panel, x, a.K, pairs);  // x[K - 1] and the packing's zero
   if (a.silu) {  // blocks (gate j, up j) side by side; NV is even here
     const int64_t I = a.N / 2;
 #pragma GCC unroll 8
