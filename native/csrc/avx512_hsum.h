@@ -1,7 +1,7 @@
-// Transpose-add reductions of AVX-512 fp32 accumulators, shared by the decode
-// attention kernels (cpu_kernels_avx512.cpp) and skinny_linear
-// (fused/skinny_linear.cpp), and the in-register 16 x 16 transpose, shared by
-// the AMX attention (attn_amx.h) and amx_q4_rows_linear
+// Transpose-add reductions of AVX-512 fp32 accumulators for the decode
+// attention kernels (cpu_kernels_avx512.cpp), and the in-register 16 x 16
+// transpose, shared by the bf16 prefill attention (attn_amx.h, attn_dp.h) and
+// amx_q4_rows_linear
 // (fused/amx_q4_rows.cpp). x86-64 only; include after <immintrin.h>.
 //
 // The includer provides the ISA: either it compiles under an AVX-512

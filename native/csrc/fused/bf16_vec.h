@@ -1,6 +1,6 @@
 // AVX-512 bf16 vector helpers shared by the fused element-wise ops
 // (fused_ops.cpp) and the epilogues of the linear kernels (amx_linear.cpp,
-// skinny_linear.cpp: bias, output rounding, SiLU-and-mul): bf16 loads and
+// avx512_linear.cpp: bias, output rounding, SiLU-and-mul): bf16 loads and
 // stores through fp32 lanes, round-to-nearest-even to bf16, exp, and SiLU-mul
 // with the Hugging Face MLP's rounding points.
 #pragma once

@@ -1,6 +1,6 @@
 // The instruction set native._fused's vector code is compiled for (function
 // target attributes, no build-wide -m flags) and the run-time check that
-// guards every call into it. Shared by fused_ops.cpp and skinny_linear.cpp.
+// guards every call into it. Shared by fused_ops.cpp and the linear kernels.
 #pragma once
 
 #if defined(__x86_64__)

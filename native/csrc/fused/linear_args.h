@@ -1,5 +1,5 @@
-// Argument checks shared by the native linear layers (skinny_linear.cpp,
-// amx_linear.cpp).
+// Argument checks shared by the native linear layers (amx_linear.cpp,
+// avx512_linear.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
