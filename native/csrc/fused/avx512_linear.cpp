@@ -2,9 +2,9 @@
 // without AMX (AMD Zen 4 and later, Intel Cooper Lake).
 //
 // There, oneDNN's prepacked bf16 kernels run the decode-sized shapes well
-// below both roofs: all of SmolLM2's projections at 8 rows of x take ~14 ms,
-// where streaming their 212 MB takes ~5 and their FLOPs at the vdpbf16ps
-// rate ~4. The weights are packed once into the AMX tile layout
+// below both roofs: all of SmolLM2's projections at 8 rows of x take ~12 ms
+// on a 2-core Zen 4, where streaming their 212 MB takes ~5-7 and their FLOPs
+// at the vdpbf16ps rate (one 512-bit instruction a cycle and core) ~4. The weights are packed once into the AMX tile layout
 // (amx_pack_weight: [N/16][K/32][16 k-pairs][16 n][2]), which is also the
 // layout VDPBF16PS wants: one k-pair of 16 output features is one 64-byte
 // vector, and one feature block's whole K sweep is contiguous. A register
@@ -93,12 +93,15 @@ CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb) {
   const uint16_t* w = a.w + nb * a.panel;
   const uint16_t* x = a.x + m0 * a.K;
   const int64_t pairs = a.K / 2;
-  // The first row block pulls the next group's weights toward L2 as it goes.
-  const char* pf = m0 == 0 ? reinterpret_cast<const char*>(w + NV * a.panel) : nullptr;
+  // The first row block pulls the next group's weights toward L2 as it goes
+  // (past the last group: a prefetch never faults; integer addresses, no
+  // out-of-range pointers).
+  const uintptr_t pf = m0 == 0 ? reinterpret_cast<uintptr_t>(w) + NV * a.panel * 2 : 0;
   for (int64_t p = 0; p < pairs; ++p) {
-    if (pf != nullptr) {
+    if (pf != 0) {
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) _mm_prefetch(pf + (v * a.panel + p * 2 * kBlockN) * 2, _MM_HINT_T1);
+      for (int v = 0; v < NV; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + (v * a.panel + p * 2 * kBlockN) * 2), _MM_HINT_T1);
     }
     kpair<R, NV, false>(acc, w, a.panel, x, a.K, p);
   }
