@@ -57,31 +57,28 @@ class FusedMLP(torch.nn.Module):
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.inter = gate.out_features
         w = torch.cat([_weight(gate), _weight(up)], 0)
-        amx = _amx_gate_up_ops(w)
-        avx512 = _avx512_gate_up_ops(w) if amx is None else None
+        ops = _gate_up_silu_ops(w)
         self.gate_up: PackedLinear | None = None
         self.packed_rows = None
-        self._silu_kernel = "amx_linear_silu_mul"
-        if avx512 is not None:
-            pack, self._gate_up_silu = avx512
-            self.packed_gate_up = pack(w)
-            self._silu_kernel = "avx512_linear_silu_mul"
-        elif amx is not None:
-            from executor.gguf_weights import blocks_of, packed_rows, packed_tiles
-
-            pack, self._gate_up_silu = amx
-            # amx_pack_gate_up's row order: gate block j, then up block j (16 rows each).
-            order = torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1)
-            blocks = blocks_of(gate, up)
-            if blocks is not None:
-                blocks = blocks.rows(order)
-            self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
-            self.packed_rows = packed_rows(blocks, w[order], "gate_up")
-        else:
+        if ops is None:
             fused = torch.nn.Linear(gate.in_features, 2 * self.inter, bias=False, dtype=gate.weight.dtype)
             with torch.no_grad():
                 fused.weight.copy_(w)
             self.gate_up = PackedLinear(fused, batch_hint)
+        else:
+            pack, self._gate_up_silu = ops
+            if packed_linear.amx_ops() is None:  # avx512_linear_silu_mul: bf16 tiles only
+                self.packed_gate_up = pack(w)
+            else:
+                from executor.gguf_weights import blocks_of, packed_rows, packed_tiles
+
+                # amx_pack_gate_up's row order: gate block j, then up block j (16 rows each).
+                order = torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1)
+                blocks = blocks_of(gate, up)
+                if blocks is not None:
+                    blocks = blocks.rows(order)
+                self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
+                self.packed_rows = packed_rows(blocks, w[order], "gate_up")
         del w
         self.down = down if isinstance(down, PackedLinear) else PackedLinear(down, batch_hint)
         self._op = _fused().silu_and_mul
@@ -95,7 +92,8 @@ class FusedMLP(torch.nn.Module):
         from executor.gguf_weights import packed_kind
 
         kind = packed_kind(self.packed_gate_up)
-        return self._silu_kernel if kind is None else f"{self._silu_kernel}-{kind}"
+        name = self._gate_up_silu.__name__
+        return name if kind is None else f"{name}-{kind}"
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), [..., I]."""
@@ -112,22 +110,17 @@ class FusedMLP(torch.nn.Module):
         return self.down(self.act(x))
 
 
-def _amx_gate_up_ops(w: torch.Tensor):
-    """(amx_pack_gate_up, amx_linear_silu_mul) where they apply to the fused
-    [2I, K] weight `w` (AMX-BF16 CPU, bf16, I a multiple of 16), else None."""
-    if w.dtype != torch.bfloat16 or (w.shape[0] // 2) % 16 != 0 or packed_linear.amx_ops() is None:
+def _gate_up_silu_ops(w: torch.Tensor):
+    """(amx_pack_gate_up, the native gate|up + SiLU-and-mul pass) for the fused
+    [2I, K] weight `w` (bf16, I a multiple of 16): amx_linear_silu_mul on
+    AMX-BF16 CPUs, avx512_linear_silu_mul on other AVX512-BF16 CPUs; else None."""
+    if w.dtype != torch.bfloat16 or (w.shape[0] // 2) % 16 != 0:
         return None
-    fused = _fused()
-    return fused.amx_pack_gate_up, fused.amx_linear_silu_mul
-
-
-def _avx512_gate_up_ops(w: torch.Tensor):
-    """(amx_pack_gate_up, avx512_linear_silu_mul): the same pass with AVX512-BF16
-    dot products, where the CPU has those but no AMX; else None."""
-    if w.dtype != torch.bfloat16 or (w.shape[0] // 2) % 16 != 0 or packed_linear.avx512_ops() is None:
-        return None
-    fused = _fused()
-    return fused.amx_pack_gate_up, fused.avx512_linear_silu_mul
+    if packed_linear.amx_ops() is not None:
+        return _fused().amx_pack_gate_up, _fused().amx_linear_silu_mul
+    if packed_linear.avx512_ops() is not None:
+        return _fused().amx_pack_gate_up, _fused().avx512_linear_silu_mul
+    return None
 
 
 def _weight(linear: torch.nn.Module) -> torch.Tensor:
