@@ -439,11 +439,7 @@ int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int6
     return nblocks;
   }
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed must be bf16 tiles or uint8 quantised blocks");
-  TORCH_CHECK(packed.dim() == 5 && packed.size(0) == nblocks &&
-                  packed.size(1) == Kpad / kTileK && packed.size(2) == kTileK / 2 && packed.size(3) == kTileN &&
-                  packed.size(4) == 2,
-              "packed must come from amx_pack_weight (or amx_pack_gate_up) of a weight with x's K and ",
-              n_features, " output features");
+  check_bf16_tiles(packed, n_features, x.size(1));
   fmt = Fmt::kBf16;
   return nblocks;
 }

@@ -188,11 +188,8 @@ void check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_f
               "avx512_linear is bf16 only (packed: amx_pack_weight's bf16 tiles)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.size(1) > 0, "x must have K > 0");
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 5 && packed.size(0) == ceil_div(n_features, kBlockN) &&
-                  packed.size(1) == ceil_div(x.size(1), kBlockK) && packed.size(2) == kBlockK / 2 &&
-                  packed.size(3) == kBlockN && packed.size(4) == 2,
-              "packed must come from amx_pack_weight (or amx_pack_gate_up) of a weight with x's K and ",
-              n_features, " output features");
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  check_bf16_tiles(packed, n_features, x.size(1));
 }
 
 }  // namespace

@@ -18,4 +18,13 @@ inline const uint16_t* bf16_bias(const c10::optional<torch::Tensor>& bias, int64
   return reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
 }
 
+// Checks that `packed` holds amx_pack_weight's (or amx_pack_gate_up's) bf16
+// tiles of an [n_features, k] weight: [ceil(N/16), ceil(K/32), 16, 16, 2].
+inline void check_bf16_tiles(const torch::Tensor& packed, int64_t n_features, int64_t k) {
+  TORCH_CHECK(packed.dim() == 5 && packed.size(0) == (n_features + 15) / 16 && packed.size(1) == (k + 31) / 32 &&
+                  packed.size(2) == 16 && packed.size(3) == 16 && packed.size(4) == 2,
+              "packed must come from amx_pack_weight (or amx_pack_gate_up) of a weight with x's K and ",
+              n_features, " output features");
+}
+
 }  // namespace cbserve_fused
