@@ -356,7 +356,7 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
             f"alone, {100 * share:.0f} % of the stream bandwidth measured here; a batch-64 step "
             f"{big['step_mb']:.0f} MB in {big['step_ms']:.1f} ms. The classic workloads spend most iterations at "
             f"small batches once the short requests finish (mean batch of cbserve fcfs: {occ}). {bound}")
-    out.append(_vllm_text(results, dtype, missed, big))
+    out.append(_vllm_text(results, dtype, missed))
     static, hf, fcfs = (_run(results.get("runs", []), s, 512, dtype)
                         for s in ("cbserve-static", "hf-static", "cbserve-fcfs"))
     static_itl = _itl_p50(results.get("runs", []), "cbserve-static", 512, dtype)
@@ -371,7 +371,7 @@ def limits_text(results: dict, dtype: str = "bfloat16") -> list[str]:
     return [p for p in out if p]
 
 
-def _vllm_text(results: dict, dtype: str, missed: list[str], big: dict | None) -> str:
+def _vllm_text(results: dict, dtype: str, missed: list[str]) -> str:
     """Why a missed 1.5x-over-vLLM target is missed: the run split at the
     prompts' prefill (until the last request's first token, TTFT p99), which
     both systems pay at about the machine's matmul rate, and the decode after
@@ -379,7 +379,7 @@ def _vllm_text(results: dict, dtype: str, missed: list[str], big: dict | None) -
     caps = [c for c in VLLM_RATIO if any(f"vLLM-CPU at cap {c} " in t for t in missed)]
     b, rl = _bound(results, dtype), results.get("roofline") or {}
     params = rl.get("params") or {}
-    if not caps or not big or not b.get("gflops_weighted") or not params.get("matmul_params"):
+    if not caps or not b.get("gflops_weighted") or not params.get("matmul_params"):
         return ""
     cap = caps[0]
     fcfs, vllm = (_run(results.get("runs", []), s, cap, dtype) for s in ("cbserve-fcfs", "vllm-cpu"))
