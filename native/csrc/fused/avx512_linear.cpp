@@ -12,8 +12,8 @@
 // takes, per k-pair, kNV weight vectors and one broadcast pair of x per row;
 // each thread sweeps its contiguous share of feature blocks front to back, all
 // rows of x per group of blocks (the group's weights stay in L1/L2 for the
-// later row blocks; its first row block prefetches the next group's into L2),
-// so the weights stream from memory once per call.
+// later row blocks; its row blocks prefetch the next group's into L2, each a
+// share), so the weights stream from memory once per call.
 //
 // avx512_linear_silu_mul is the MLP's gate|up projection with the SiLU-and-mul
 // epilogue (weights from amx_pack_gate_up: gate block j, then up block j), as
@@ -82,9 +82,14 @@ CB_AVX512BF16 __attribute__((always_inline)) inline void kpair(__m512 (&acc)[R][
   }
 }
 
-// Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV).
+// Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV). Row block
+// `rb` of `nrb` pulls its share of the next group's weights toward L2 as it
+// goes: spread over all of the group's row blocks, the group's DRAM traffic
+// runs at an even rate instead of a burst in its first row block (which, at
+// 12-24 rows, asks for more than a core's share of the memory bandwidth and
+// stalls on full miss buffers).
 template <int R, int NV>
-CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb) {
+CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb, int64_t rb, int64_t nrb) {
   __m512 acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -93,15 +98,21 @@ CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb) {
   const uint16_t* w = a.w + nb * a.panel;
   const uint16_t* x = a.x + m0 * a.K;
   const int64_t pairs = a.K / 2;
-  // The first row block pulls the next group's weights toward L2 as it goes
-  // (past the last group: a prefetch never faults; integer addresses, no
-  // out-of-range pointers).
-  const uintptr_t pf = m0 == 0 ? reinterpret_cast<uintptr_t>(w) + NV * a.panel * 2 : 0;
+  // Lines [q, q_end) of each of the next group's feature blocks, one every
+  // nrb-th k-pair on average (past the last group: a prefetch never faults;
+  // integer addresses, no out-of-range pointers).
+  const uintptr_t pf = reinterpret_cast<uintptr_t>(w) + NV * a.panel * 2;
+  const int64_t q_end = (rb + 1) * pairs / nrb;
+  int64_t q = rb * pairs / nrb, credit = 0;
+  const int64_t share = q_end - q;
   for (int64_t p = 0; p < pairs; ++p) {
-    if (pf != 0) {
+    credit += share;
+    if (credit >= pairs) {
+      credit -= pairs;
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + (v * a.panel + p * 2 * kBlockN) * 2), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + (v * a.panel + q * 2 * kBlockN) * 2), _MM_HINT_T1);
+      ++q;
     }
     kpair<R, NV, false>(acc, w, a.panel, x, a.K, p);
   }
@@ -132,14 +143,15 @@ CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb) {
 // Every row of x against feature blocks [nb, nb + NV), kMR rows at a time.
 template <int NV>
 CB_AVX512BF16 void all_rows(const Args& a, int64_t nb) {
-  int64_t m0 = 0;
-  for (; m0 + kMR <= a.M; m0 += kMR) micro<kMR, NV>(a, m0, nb);
+  const int64_t nrb = ceil_div(a.M, kMR);
+  int64_t m0 = 0, rb = 0;
+  for (; m0 + kMR <= a.M; m0 += kMR, ++rb) micro<kMR, NV>(a, m0, nb, rb, nrb);
   switch (a.M - m0) {
-    case 1: micro<1, NV>(a, m0, nb); break;
-    case 2: micro<2, NV>(a, m0, nb); break;
-    case 3: micro<3, NV>(a, m0, nb); break;
-    case 4: micro<4, NV>(a, m0, nb); break;
-    case 5: micro<5, NV>(a, m0, nb); break;
+    case 1: micro<1, NV>(a, m0, nb, rb, nrb); break;
+    case 2: micro<2, NV>(a, m0, nb, rb, nrb); break;
+    case 3: micro<3, NV>(a, m0, nb, rb, nrb); break;
+    case 4: micro<4, NV>(a, m0, nb, rb, nrb); break;
+    case 5: micro<5, NV>(a, m0, nb, rb, nrb); break;
     default: break;
   }
 }
