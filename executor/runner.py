@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from cbserve.v1 import executor_pb2 as pb
-from executor import attention
+from executor import attention, fast_forward
 from executor.batch_state import BatchState, SeqState
 from executor.kv_cache import CacheShape, KVCache
 from executor.sampler import SamplingParams, greedy_only, sample
@@ -69,8 +69,6 @@ class ModelRunner:
         # transformers layer code (executor/fast_forward.py); None elsewhere.
         self.lean = None
         if prepack and lean_forward:
-            from executor import fast_forward
-
             self.lean = fast_forward.build(model)
         if prepack:  # the blocks live on in the packed weights (and the lean forward's fused q|k|v)
             from executor import gguf_weights
@@ -147,6 +145,7 @@ class ModelRunner:
         cu = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        sample_seqs: list[int] = []  # their sequences' indices in `scheduled`
         sample_states: list[tuple[int, SeqState]] = []
         bs = self.block_size
         max_blocks = 1
@@ -167,6 +166,7 @@ class ModelRunner:
             max_blocks = max(max_blocks, len(table))
             if end == len(st.token_ids):
                 sample_rows.append(cu[-1] - 1)
+                sample_seqs.append(len(seq_lens) - 1)
                 sample_states.append((seq_id, st))
         if max(seq_lens) > self.max_context:
             raise PlanError(f"a sequence reaches {max(seq_lens)} tokens, beyond the context {self.max_context}")
@@ -191,7 +191,18 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         tf = time.perf_counter()
-        if self.lean is not None:
+        rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        if self.lean is not None and len(sample_rows) < len(input_ids):
+            # A prompt chunk is in the step: its unsampled rows stop at the
+            # last layer's cache write (fast_forward.SampledRows).
+            pick = torch.tensor(sample_seqs, dtype=torch.long, device=dev)
+            sampled = fast_forward.SampledRows(
+                rows=rows_t, block_tables=meta.block_tables.index_select(0, pick),
+                cu_seqlens_q=torch.arange(len(sample_rows) + 1, dtype=torch.int32, device=dev),
+                seq_lens=meta.seq_lens.index_select(0, pick))
+            hidden = self.lean(ids_t, pos_t, meta, sampled)
+            rows_t = None  # hidden holds the sampled rows alone
+        elif self.lean is not None:
             hidden = self.lean(ids_t, pos_t, meta)
         else:
             hidden = self.model.model(input_ids=ids_t.unsqueeze(0), position_ids=pos_t.unsqueeze(0),
@@ -202,7 +213,7 @@ class ModelRunner:
         logprobs = None
         seq_ids: list[int] = []
         if sample_rows:
-            rows = hidden.index_select(0, torch.tensor(sample_rows, device=dev))
+            rows = hidden if rows_t is None else hidden.index_select(0, rows_t)
             params = [st.sampling for _, st in sample_states]
             greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
             picked = greedy_head(rows) if greedy_head is not None and greedy_only(params) else None
