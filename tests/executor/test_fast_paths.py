@@ -8,12 +8,9 @@ import torch
 
 from executor import model_loader, model_source
 from executor.fused_modules import FusedMLP, FusedRMSNorm
-from executor.packed_linear import PackedLinear, supported
+from executor.packed_linear import PackedLinear
 from executor.runner import ModelRunner
-from tests.executor.helpers import count_fused_calls, greedy
-
-needs_bf16 = pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")),
-                                reason="CPU lacks native bf16 (oneDNN)")
+from tests.executor.helpers import count_fused_calls, greedy, needs_bf16
 
 
 def _assert_greedy_agrees(got, ref):

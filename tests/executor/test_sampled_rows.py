@@ -4,16 +4,12 @@ reaches the cache, and the sampled tokens stay those of the full forward."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from cbserve.v1 import executor_pb2 as pb
 from executor import model_loader, model_source
-from executor.packed_linear import supported
 from executor.runner import ModelRunner
-
-needs_bf16 = pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")),
-                                reason="CPU lacks native bf16 (oneDNN)")
+from tests.executor.helpers import needs_bf16
 
 
 def _prompt(n: int, salt: int) -> list[int]:
