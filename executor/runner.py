@@ -191,29 +191,29 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         tf = time.perf_counter()
+        # `rows`: the final hidden states of the rows that sample, in order.
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         if self.lean is not None and len(sample_rows) < len(input_ids):
             # A prompt chunk is in the step: its unsampled rows stop at the
             # last layer's cache write (fast_forward.SampledRows).
             pick = torch.tensor(sample_seqs, dtype=torch.long, device=dev)
-            sampled = fast_forward.SampledRows(
+            rows = self.lean(ids_t, pos_t, meta, fast_forward.SampledRows(
                 rows=rows_t, block_tables=meta.block_tables.index_select(0, pick),
                 cu_seqlens_q=torch.arange(len(sample_rows) + 1, dtype=torch.int32, device=dev),
-                seq_lens=meta.seq_lens.index_select(0, pick))
-            hidden = self.lean(ids_t, pos_t, meta, sampled)
-            rows_t = None  # hidden holds the sampled rows alone
-        elif self.lean is not None:
-            hidden = self.lean(ids_t, pos_t, meta)
+                seq_lens=meta.seq_lens.index_select(0, pick)))
         else:
-            hidden = self.model.model(input_ids=ids_t.unsqueeze(0), position_ids=pos_t.unsqueeze(0),
-                                      use_cache=False, cb_meta=meta).last_hidden_state[0]
+            if self.lean is not None:
+                hidden = self.lean(ids_t, pos_t, meta)
+            else:
+                hidden = self.model.model(input_ids=ids_t.unsqueeze(0), position_ids=pos_t.unsqueeze(0),
+                                          use_cache=False, cb_meta=meta).last_hidden_state[0]
+            rows = hidden.index_select(0, rows_t)
         for _, n, st in scheduled:
             st.num_computed += n
         tokens: list[int] = []
         logprobs = None
         seq_ids: list[int] = []
         if sample_rows:
-            rows = hidden if rows_t is None else hidden.index_select(0, rows_t)
             params = [st.sampling for _, st in sample_states]
             greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
             picked = greedy_head(rows) if greedy_head is not None and greedy_only(params) else None
