@@ -154,10 +154,13 @@ static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv,
 //   scores: S[r*lds + t] = sum_d Q[r*ldq + d] * K_t[d]      (r < M, t < n <= 16)
 //   pv:     A[r*lda + d] += sum_t P[r*ldp + t] * V_t[d]     (r < M, d < D, t < n <= chunk)
 // with token t's row at element offset offs[t] of `base` (storage dtype);
-// `tmp` is [16, DP] fp32 staging whose [D, DP) columns are zero.
+// `tmp` is [16, DP] fp32 staging whose [D, DP) columns are zero. `qbf16`
+// (AttnParams::bf16_decode_dots): the scaled query rows Q are exact in bf16,
+// so a kernel may take them as bf16 without rounding anything.
 static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, const char* base,
                                      const int64_t* offs, int64_t n, int dtype, int64_t D, float* S,
-                                     int64_t lds, float* tmp, KvPrefetch& pf) {
+                                     int64_t lds, float* tmp, KvPrefetch& pf, bool qbf16) {
+  (void)qbf16;
   const int64_t es = cbserve_native::elem_size(dtype);
   const int64_t DP = round_up(D, kPad);
   for (int64_t t = 0; t < n; ++t) {
@@ -314,6 +317,7 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
     for (int64_t d = D; d < DP; ++d) tmp[t * DP + d] = 0.f;
 
   init_rows(p, it, Qf, Acc, mrow, lrow, DP);
+  const bool qbf16 = p.bf16_decode_dots;
 
   const int64_t kv_hi = item_kv_end(p, it);
   const char* kc = static_cast<const char*>(p.key_cache);
@@ -357,7 +361,7 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
       const int64_t gn = cb_min(16, n - g0);
       for (int64_t j = 0; j < nh; ++j)
         CB_DEC_SCORES(Qf + j * Mh * DP, DP, Mh, kc + j * headb, offs + g0, gn, dtype, D,
-                      S + j * Mh * CH + g0, CH, tmp, pf);
+                      S + j * Mh * CH + g0, CH, tmp, pf, qbf16);
     }
     // Exact softmax over the chunk, rescaling the running state once per chunk.
     const int64_t ncols = (n + V::W - 1) / V::W * V::W;

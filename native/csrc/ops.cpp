@@ -464,6 +464,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.scale = static_cast<float>(scale);
   p.dtype = dtype_code(query.scalar_type());
   p.kv_dtype = kv_dtype_code(key_cache);
+  int scale_exp;
+  p.bf16_decode_dots = current_isa() == "avx512" && features().avx512bf16 && p.dtype == kBF16 &&
+                       p.kv_dtype == kBF16 && std::frexp(p.scale, &scale_exp) == 0.5f;
 
   const AttnItemFn fn = item_fn();
   // Scratch for the largest item present (a decode-only batch needs ~14 KB

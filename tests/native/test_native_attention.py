@@ -138,16 +138,9 @@ def test_whole_row_and_per_head_items_agree_bitwise(isa):
     assert (whole.float() - reference(batch, 0.125)).abs().max().item() <= tolerance(torch.bfloat16)
 
 
-def _prefill_items_on(isas, d, block_size, logit_scale):
-    """bf16 prefill items (a prompt over several KV tiles, a chunk after cached
-    context, row counts that are not a multiple of 16, decode rows in the same
-    call, scores far from 0 for the online softmax across tiles with bf16
-    probabilities) on each of `isas`: every output against the reference, and
-    the first ISA's against the others'."""
-    batch = make_batch([300, 1, 37, 5], [0, 150, 260, 40], hq=6, hkv=2, d=d, block_size=block_size,
-                       dtype=torch.bfloat16, seed=d + block_size)
-    batch["query"] *= logit_scale
-    scale = d ** -0.5
+def _same_on(isas, batch, scale):
+    """`batch` attended on each of `isas`: every output against the
+    reference, and the first ISA's against the others'."""
     want = reference(batch, scale)
     before = native.cpu_features()["isa"]
     try:
@@ -162,6 +155,17 @@ def _prefill_items_on(isas, d, block_size, logit_scale):
         assert (out.float() - want).abs().max().item() <= tolerance(torch.bfloat16)
     for isa in isas[1:]:
         assert (got[isas[0]].float() - got[isa].float()).abs().max().item() <= tolerance(torch.bfloat16)
+
+
+def _prefill_items_on(isas, d, block_size, logit_scale):
+    """bf16 prefill items (a prompt over several KV tiles, a chunk after cached
+    context, row counts that are not a multiple of 16, decode rows in the same
+    call, scores far from 0 for the online softmax across tiles with bf16
+    probabilities) on each of `isas` (see _same_on)."""
+    batch = make_batch([300, 1, 37, 5], [0, 150, 260, 40], hq=6, hkv=2, d=d, block_size=block_size,
+                       dtype=torch.bfloat16, seed=d + block_size)
+    batch["query"] *= logit_scale
+    _same_on(isas, batch, d ** -0.5)
 
 
 @pytest.mark.skipif("amx" not in SUPPORTED_ISAS, reason="needs an AMX-BF16 CPU")
@@ -182,3 +186,21 @@ def test_avx512_bf16_prefill_items_match_the_reference_and_the_fp32_kernels(d, b
     """bf16 prefill items on vdpbf16ps register blocks (attn_dp.h, the avx512
     kernels on an AVX512-BF16 CPU), against the avx2 kernels' fp32 FMA path."""
     _prefill_items_on(("avx512", "avx2"), d, block_size, logit_scale)
+
+
+@pytest.mark.skipif("avx512" not in SUPPORTED_ISAS or "avx2" not in SUPPORTED_ISAS
+                    or not native.cpu_features()["avx512_bf16"], reason="needs an AVX512-BF16 CPU")
+@pytest.mark.parametrize("d", [40, 64])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 1), (2, 1)])
+@pytest.mark.parametrize("scale", [0.125, 0.1])
+@pytest.mark.parametrize("logit_scale", [1.0, 30.0])
+def test_avx512_bf16_decode_scores_match_the_reference_and_the_fp32_kernels(d, hq, hkv, scale, logit_scale):
+    """bf16 decode items whose scaled query rows are exact in bf16 (scale
+    1/8) take K rows as vdpbf16ps operands on an AVX512-BF16 CPU; other
+    scales keep the fp32 FMA path. Both against the reference and the avx2
+    kernels, with scores far from 0 too, 1-3 query rows per KV head and
+    contexts across chunks and blocks (partly masked 16-token groups)."""
+    batch = make_batch([1, 1, 2, 1, 1, 1], [0, 15, 33, 100, 517, 64], hq=hq, hkv=hkv, d=d, block_size=16,
+                       dtype=torch.bfloat16, seed=d + hq)
+    batch["query"] *= logit_scale
+    _same_on(("avx512", "avx2"), batch, scale)
