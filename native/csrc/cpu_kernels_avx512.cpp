@@ -275,13 +275,14 @@ static inline void dec_scores_rows2p(const float* qb, const char* base, const in
 // trees then reduce each row's lanes (a lane holds the sum of two products).
 // Taken only where the scaled query rows are exact in bf16 (qbf16, see
 // AttnParams::bf16_decode_dots: bf16 queries and a power-of-two scale such as
-// head_dim 64's 1/8): the products are then the fp32 path's, exact in fp32,
-// and only the order of the fp32 additions differs. Per
-// token and KV head of SmolLM2 (3 query rows) 6 vdpbf16ps replace 12 FMAs
-// and the K row's widening: on a 2-core Zen 4 a batch-64 decode call on 160
-// tokens of context 0.272 -> 0.226 ms with K/V in cache, 0.387 -> 0.354 ms
-// from memory (best of 300); a SmolLM2 decode step's attention at batch 16 /
-// 32 / 64 (context 200 / 300 / 300) 4.7 -> 3.6, 12.1 -> 10.7, 24.5 -> 20.0 ms.
+// head_dim 64's 1/8): the products are then the fp32 path's, exact in fp32
+// (denormals aside, which vdpbf16ps flushes), and only the order of the fp32
+// additions differs. Per token and KV head of SmolLM2 (3 query rows) 6
+// vdpbf16ps replace 12 FMAs and the K row's widening: on a 2-core Zen 4 a
+// batch-64 decode call on 160 tokens of context 0.272 -> 0.226 ms with K/V in
+// cache, 0.387 -> 0.354 ms from memory (best of 300); a SmolLM2 decode step's
+// attention at batch 16 / 32 / 64 (context 200 / 300 / 300) 4.7 -> 3.6,
+// 12.1 -> 10.7, 24.5 -> 20.0 ms.
 #define CB_DEC_DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")))
 
 template <int RS>

@@ -198,8 +198,10 @@ def test_avx512_bf16_decode_scores_match_the_reference_and_the_fp32_kernels(d, h
     """bf16 decode items whose scaled query rows are exact in bf16 (scale
     1/8) take K rows as vdpbf16ps operands on an AVX512-BF16 CPU; other
     scales keep the fp32 FMA path. Both against the reference and the avx2
-    kernels, with scores far from 0 too, 1-3 query rows per KV head and
-    contexts across chunks and blocks (partly masked 16-token groups)."""
+    kernels, with scores far from 0 too, 2-8 query rows per KV head (GQA
+    groups of 2-4, one- and two-token queries), head dim 40's partly masked
+    second half and contexts across chunks and blocks (partly filled
+    16-token groups)."""
     batch = make_batch([1, 1, 2, 1, 1, 1], [0, 15, 33, 100, 517, 64], hq=hq, hkv=hkv, d=d, block_size=16,
                        dtype=torch.bfloat16, seed=d + hq)
     batch["query"] *= logit_scale
