@@ -43,7 +43,9 @@ def test_a_pool_larger_than_available_memory_is_refused_before_allocating():
     shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
     free = host_available_bytes()
     assert free is not None and free > 0
-    too_many = free // shape.bytes_per_block + 1
+    # Twice what is available: MemAvailable moves between the two reads (a
+    # margin of one block failed once when other processes freed memory).
+    too_many = 2 * free // shape.bytes_per_block
     # The up-front check's message (an allocation failure reads differently).
     with pytest.raises(KVCacheTooLarge, match="does not fit: it needs .* GiB of host memory"):
         KVCache(shape, too_many, 0)
@@ -74,3 +76,21 @@ def _fake_root(tmp_path, meminfo_kb, files):
 ])
 def test_available_memory_honours_a_cgroup_limit(tmp_path, files, want):
     assert host_available_bytes(_fake_root(tmp_path, 8 << 20, files)) == want
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_pool_larger_than_free_gpu_memory_is_refused_before_allocating():
+    shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    gpu_free, _ = torch.cuda.mem_get_info(0)
+    host_free = host_available_bytes()
+    too_many = gpu_free // shape.bytes_per_block + (1 << 30) // shape.bytes_per_block  # 1 GiB over
+    if host_free is not None and too_many * shape.bytes_per_block > host_free:
+        pytest.skip("the host has less memory available than the GPU: the host check would answer first")
+    allocated = torch.cuda.memory_allocated(0)
+    with pytest.raises(KVCacheTooLarge, match=r"GiB of blocks on cuda:0, .* GiB free there"):
+        KVCache(shape, too_many, 0, device="cuda:0")
+    assert torch.cuda.memory_allocated(0) == allocated  # refused before allocating anything
+    pool = KVCache(shape, 4, 2, device="cuda:0")
+    assert pool.key[0].device.type == "cuda" and pool.host_key[0].device.type == "cpu"
+    assert pool.host_key[0].is_pinned()

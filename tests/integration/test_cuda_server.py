@@ -15,7 +15,9 @@ import torch
 from cbserve.v1 import generation_pb2 as gpb
 from executor import model_loader, model_source
 from tests.conftest import start_server
+from executor.kv_cache import host_available_bytes
 from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.integration.test_faults import _serve_refused
 from tests.integration.test_parity import NEW_TOKENS, hf_greedy, served_greedy, tiny_prompts
 from tests.integration.test_scheduling import BLOCK_BYTES_TINY_FP32, pressure_requests, reconfigure, run_concurrent
 
@@ -100,3 +102,18 @@ def test_bf16_sampling_is_seeded_and_batch_independent_on_the_gpu():
     assert len({tuple(b.token_ids) for b in batched}) > 1, "different seeds gave the same tokens"
     assert greedy.finish_reason == gpb.LENGTH and len(greedy.token_ids) == 16
 
+
+
+def test_a_kv_cache_larger_than_free_gpu_memory_stops_serve_with_a_clear_error(tmp_path):
+    # More bytes of blocks than the GPU has free (but fewer than the host has
+    # available, so the GPU check is the one that answers): refused before
+    # allocating, exit status 2, not restarted.
+    gpu_free, _ = torch.cuda.mem_get_info(0)
+    want = gpu_free + (1 << 30)
+    host_free = host_available_bytes()
+    if host_free is not None and want > host_free:
+        pytest.skip("the host has less memory available than the GPU has free")
+    cfg = tmp_path / "huge.yaml"
+    cfg.write_text(f"cache:\n  kv_cache_bytes: {want}\n")
+    log = _serve_refused("--device", "cuda", "--config", str(cfg))
+    assert "the KV cache does not fit" in log and "GiB free there" in log and "lower cache.kv_cache_bytes" in log

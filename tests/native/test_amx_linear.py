@@ -167,12 +167,15 @@ def test_fused_mlp_runs_the_epilogue_on_amx_and_matches_the_stock_mlp():
             torch.testing.assert_close(got.float(), stock(x).float(), rtol=2 ** -6, atol=2e-2)
 
 
-def test_fused_mlp_without_amx_or_with_an_odd_width_keeps_the_two_step_path(monkeypatch):
+def test_fused_mlp_without_bf16_kernels_or_with_an_odd_width_keeps_the_two_step_path(monkeypatch):
     from executor.fused_modules import FusedMLP
 
     odd = FusedMLP(_llama_mlp(96, 40, 1))  # I = 40: not a whole number of 16-feature blocks
     assert odd.gate_up is not None and odd.kernel == "amx + silu_and_mul"
+    # Without AMX an AVX512-BF16 CPU takes avx512_linear_silu_mul
+    # (test_avx512_linear.py); without either, the two-step path.
     monkeypatch.setattr(packed_linear, "amx_ops", lambda: None)
+    monkeypatch.setattr(packed_linear, "avx512_ops", lambda: None)
     stock = _llama_mlp(96, 48, 2)
     mlp = FusedMLP(stock)
     assert mlp.gate_up is not None and mlp.kernel.endswith("+ silu_and_mul")
