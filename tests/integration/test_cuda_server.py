@@ -14,8 +14,8 @@ import torch
 
 from cbserve.v1 import generation_pb2 as gpb
 from executor import model_loader, model_source
-from tests.conftest import start_server
 from executor.kv_cache import host_available_bytes
+from tests.conftest import start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
 from tests.integration.test_faults import _serve_refused
 from tests.integration.test_parity import NEW_TOKENS, hf_greedy, served_greedy, tiny_prompts
@@ -101,7 +101,6 @@ def test_bf16_sampling_is_seeded_and_batch_independent_on_the_gpu():
     assert list(batched[1].token_ids) == list(alone.token_ids)
     assert len({tuple(b.token_ids) for b in batched}) > 1, "different seeds gave the same tokens"
     assert greedy.finish_reason == gpb.LENGTH and len(greedy.token_ids) == 16
-
 
 
 def test_a_kv_cache_larger_than_free_gpu_memory_stops_serve_with_a_clear_error(tmp_path):
