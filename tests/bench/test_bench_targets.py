@@ -329,3 +329,40 @@ def test_run_ratio_is_the_median_of_side_by_side_ratios():
     assert run_ratio(run(1.0, [200.0, None, 400.0]), run(1.0, [100.0, 150.0, 100.0])) == pytest.approx(2.0)
     assert run_ratio(run(300.0), run(100.0)) == pytest.approx(3.0)
     assert math.isnan(run_ratio(None, run(1.0)))
+
+
+def test_limits_text_sets_a_missed_vllm_ratio_against_the_fcfs_bound():
+    from bench.bound import Machine, ModelCost, fcfs_bound
+    from bench.workload import WorkloadSpec, materialise
+
+    res = _results()
+    attach_alone(res)
+    res["roofline"]["params"] = {"matmul_params": 134_479_872, "embedding_params": 28_311_552}
+    res["roofline"]["bounds"][0]["gflops_weighted"] = 350.0
+    runs = {(r["system"], r["cap"]): r for r in res["runs"]}
+    spec = {"num_requests": 16, "prompt_len": 32, "cap": 64, "seed": 5}
+    lengths = [r.max_new_tokens for r in materialise(WorkloadSpec(**spec)).requests]
+    cost = ModelCost.of()
+    # cbserve's prompt phase ran at 500 GFLOP/s (above F.linear's 350) with a budget of 128.
+    phase = fcfs_bound(lengths, 32, 128, cost, Machine(math.inf, math.inf)).prompt_phase_flops
+    ttft = phase / 500e9
+    b = fcfs_bound(lengths, 32, 128, cost, Machine(500e9, 23.5e9))
+    fcfs, vllm = runs["cbserve-fcfs", 512], runs["vllm-cpu", 512]
+    fcfs.update(workload=spec, meta={"config_overrides": {"max_num_batched_tokens": 128}})
+    fcfs["summary"].update(duration_s=1.25 * b.seconds, ttft_s={"p99": ttft})
+    vllm["summary"].update(prompt_tokens=16 * 32, duration_s=3 * b.seconds, ttft_s={"p99": 1.1 * ttft})
+    text = " ".join(limits_text(res))
+    assert "at budget 128" in text and "a 500 GFLOP/s matmul rate (cbserve's own prompt phase" in text
+    assert (f"the run takes at least {b.seconds:.2f} s: 1.5× vLLM ({2 * b.seconds:.2f} s) asks for 50% of the "
+            f"bound's speed; cbserve ran at 80% of it, vLLM at 33%.") in text
+    # vLLM close to the bound: 1.5x its speed is faster than the bound allows.
+    vllm["summary"]["duration_s"] = 1.2 * b.seconds
+    assert f"1.5× vLLM ({0.8 * b.seconds:.2f} s) is beyond it" in " ".join(limits_text(res))
+    # F.linear faster than the prompt phase: its rate, the router's default budget.
+    fcfs["summary"]["ttft_s"]["p99"] = phase / 100e9
+    del fcfs["meta"]
+    text = " ".join(limits_text(res))
+    assert "at budget 512" in text and "a 350 GFLOP/s matmul rate (F.linear's" in text
+    # Without the run's workload there is no schedule to bound.
+    del fcfs["workload"]
+    assert "On the machine's roofs" not in " ".join(limits_text(res))
