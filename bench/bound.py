@@ -15,8 +15,8 @@ forward runs them):
 
 Nothing a real system does is free here (no kernel below its roof, no
 contention with the router or the load generator, no cap on KV blocks or
-running sequences), so
-the result is a lower bound on run time: an upper bound on tokens/s.
+running sequences), so the result is a lower bound on run time: an upper
+bound on tokens/s.
 
     python -m bench bound [--caps 128 512] [--seeds 6 7 8] [--peak-gflops 400]
         [--bandwidth-gbs 34] [--overhead-ms 0.3] [--budget 512] [--results R.json ...]
