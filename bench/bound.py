@@ -146,14 +146,15 @@ def classic_lengths(cap: int, seed: int, num_requests: int = 64, prompt_len: int
     return [r.max_new_tokens for r in materialise(spec).requests]
 
 
-def _measured(paths: list[str]) -> dict[tuple[int, int, int, int], list[tuple[str, float]]]:
+def _measured(paths: list[str], dtype: str) -> dict[tuple[int, int, int, int], list[tuple[str, float]]]:
     """(cap, seed, requests, prompt length) -> [(system, seconds)] from the
-    burst runs in `bench run` result files."""
+    burst runs in `dtype` in `bench run` result files."""
     runs: dict[tuple[int, int, int, int], list[tuple[str, float]]] = {}
     for p in paths:
         for r in json.loads(Path(p).read_text())["runs"]:
             w = r.get("workload") or {}
-            if r.get("error") or w.get("arrival", "burst") != "burst" or w.get("prompt_file"):
+            if (r.get("error") or r.get("dtype", dtype) != dtype or w.get("arrival", "burst") != "burst"
+                    or w.get("prompt_file")):
                 continue
             key = (int(w["cap"]), int(w["seed"]), int(w["num_requests"]), int(w["prompt_len"]))
             runs.setdefault(key, []).append((r["system"], float(r["summary"]["duration_s"])))
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--budget", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, help="max_num_batched_tokens")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="weights and KV cache (bytes per value); pass the matmul rate of that dtype too")
     ap.add_argument("--peak-gflops", type=float, default=400.0,
                     help="matmul rate (default: cbserve's served 512-token bf16 prefill iterations on the 2-core Zen 4)")
     ap.add_argument("--bandwidth-gbs", type=float, default=34.0,
@@ -175,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", nargs="*", default=[], help="bench run result files to set beside the bound")
     a = ap.parse_args(argv)
     m = Machine(a.peak_gflops * 1e9, a.bandwidth_gbs * 1e9, a.overhead_ms / 1e3)
-    cost = ModelCost.of()
-    measured = _measured(a.results)
-    print(f"FCFS bound: {a.peak_gflops:g} GFLOP/s, {a.bandwidth_gbs:g} GB/s, {a.overhead_ms:g} ms/iteration, "
+    cost = ModelCost.of(elem_bytes=2 if a.dtype == "bfloat16" else 4)
+    measured = _measured(a.results, a.dtype)
+    print(f"FCFS bound ({a.dtype}): {a.peak_gflops:g} GFLOP/s, {a.bandwidth_gbs:g} GB/s, {a.overhead_ms:g} ms/iteration, "
           f"budget {a.budget}, {a.num_requests} x {a.prompt_len}-token prompts")
     for cap in a.caps:
         for seed in a.seeds:

@@ -57,7 +57,8 @@ def test_cli_sets_measured_runs_beside_the_bound(tmp_path, capsys):
            "summary": {"duration_s": 4.0}}
     # Another workload's runs (8 requests; Poisson arrivals) are not set beside this bound.
     other = [dict(run, system="x-fewer", workload=dict(w, num_requests=8)),
-             dict(run, system="x-poisson", workload=dict(w, arrival="poisson", rate=2.0))]
+             dict(run, system="x-poisson", workload=dict(w, arrival="poisson", rate=2.0)),
+             dict(run, system="x-fp32", dtype="float32")]
     res = {"runs": [run, *other]}
     f = tmp_path / "r.json"
     f.write_text(json.dumps(res))
@@ -66,4 +67,4 @@ def test_cli_sets_measured_runs_beside_the_bound(tmp_path, capsys):
     b = fcfs_bound(lengths, 128, 512, ModelCost.of(), Machine(400e9, 34e9, 3e-4))
     assert f"{sum(lengths)} tokens, bound {b.seconds:.2f} s" in out
     assert f"cbserve-fcfs 4.00 s (runs at {b.seconds / 4.0:.0%} of the bound's speed)" in out
-    assert "x-fewer" not in out and "x-poisson" not in out
+    assert "x-fewer" not in out and "x-poisson" not in out and "x-fp32" not in out
