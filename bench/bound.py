@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.roofline import SMOLLM2, param_count
+from bench.roofline import SMOLLM2, dtype_bytes, param_count, step_bytes
 from bench.server import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from bench.workload import WorkloadSpec, materialise
 
@@ -54,14 +54,13 @@ class ModelCost:
     attn_flops: float  # per (query token, context token) pair, all layers
 
     @classmethod
-    def of(cls, cfg: dict = SMOLLM2, elem_bytes: int = 2) -> "ModelCost":
+    def of(cls, cfg: dict = SMOLLM2, dtype: str = "bfloat16") -> "ModelCost":
         head = cfg["hidden"] * cfg["vocab"]
         decoder = param_count(cfg)["matmul_params"] - head
-        q = cfg["heads"] * cfg["head_dim"]
-        return cls(proj_flops=2.0 * decoder, head_flops=2.0 * head, weight_bytes=float(decoder * elem_bytes),
-                   head_bytes=float(head * elem_bytes),
-                   kv_bytes=float(2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * elem_bytes),
-                   attn_flops=float(4 * q * cfg["layers"]))
+        es = dtype_bytes(dtype)
+        return cls(proj_flops=2.0 * decoder, head_flops=2.0 * head, weight_bytes=float(decoder * es),
+                   head_bytes=float(head * es), kv_bytes=float(step_bytes(1, 1, dtype, cfg, weight_bytes=0)),
+                   attn_flops=float(4 * cfg["heads"] * cfg["head_dim"] * cfg["layers"]))
 
 
 def iteration_flops(cost: ModelCost, tokens: int, sampled: int, pairs: float) -> float:
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", nargs="*", default=[], help="bench run result files to set beside the bound")
     a = ap.parse_args(argv)
     m = Machine(a.peak_gflops * 1e9, a.bandwidth_gbs * 1e9, a.overhead_ms / 1e3)
-    cost = ModelCost.of(elem_bytes=2 if a.dtype == "bfloat16" else 4)
+    cost = ModelCost.of(dtype=a.dtype)
     measured = _measured(a.results, a.dtype)
     print(f"FCFS bound ({a.dtype}): {a.peak_gflops:g} GFLOP/s, {a.bandwidth_gbs:g} GB/s, {a.overhead_ms:g} ms/iteration, "
           f"budget {a.budget}, {a.num_requests} x {a.prompt_len}-token prompts")

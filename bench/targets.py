@@ -413,14 +413,15 @@ def _vllm_cap_text(results: dict, dtype: str, cap: int, b: dict, params: dict) -
             f"with its prefill phase as it is, 1.5× would need {need}. The larger the prompts' share of a run, "
             f"the closer both systems' times: what would move this ratio is prefill faster than the matmul rate "
             f"both reach (or fewer prompt FLOPs, e.g. prefix-cache hits, which these random prompts do not have)."
-            f"{_bound_sentence(results, dtype, fcfs, vllm, goal_s)}")
+            f"{_bound_sentence(results, b, fcfs, vllm, goal_s)}")
 
 
-def _bound_sentence(results: dict, dtype: str, fcfs: dict, vllm: dict, goal_s: float) -> str:
+def _bound_sentence(results: dict, roof: dict, fcfs: dict, vllm: dict, goal_s: float) -> str:
     """The run's workload on the FCFS roofline bound (bench.bound): what share
-    of the bound's speed 1.5x vLLM asks for, and what each system reached."""
+    of the bound's speed 1.5x vLLM asks for, and what each system reached.
+    `roof`: the roofline's bound of the run's dtype."""
     rl = results.get("roofline") or {}
-    gb_s, spec = rl.get("stream_gb_s"), fcfs.get("workload")
+    gb_s, spec, dtype = rl.get("stream_gb_s"), fcfs.get("workload"), fcfs.get("dtype")
     ttft_f = ((fcfs["summary"].get("ttft_s") or {}).get("p99"))
     if not gb_s or not spec or spec.get("prompt_file") or not ttft_f or dtype not in ("bfloat16", "float32"):
         return ""
@@ -433,11 +434,11 @@ def _bound_sentence(results: dict, dtype: str, fcfs: dict, vllm: dict, goal_s: f
     lengths, prompt_len = [r.max_new_tokens for r in w.requests], len(w.requests[0].prompt_ids)
     budget = int(((fcfs.get("meta") or {}).get("config_overrides") or {}).get(
         "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS))
-    cost = ModelCost.of(elem_bytes=2 if dtype == "bfloat16" else 4)
+    cost = ModelCost.of(dtype=dtype)
     # The matmul rate: the better of F.linear's here and cbserve's own prompt
     # phase (the schedule's FLOPs up to the last first token, over its time).
     phase_flops = fcfs_bound(lengths, prompt_len, budget, cost, Machine(math.inf, math.inf)).prompt_phase_flops
-    linear = _bound(results, dtype).get("gflops_weighted", 0.0) * 1e9
+    linear = roof.get("gflops_weighted", 0.0) * 1e9
     peak = max(linear, phase_flops / ttft_f)
     src = (f"cbserve's own prompt phase: {phase_flops / 1e12:.2f} TFLOP by its last first token at {ttft_f:.2f} s"
            if peak > linear else "F.linear's at the model's shapes")
