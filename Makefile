@@ -1,19 +1,19 @@
 # cbserve: two commands on a fresh clone.
 #   make serve   set up .venv (idempotent) and start router + executor with SmolLM2
-#   make test    set up the same way and run the whole suite
+#   make test    set up the same way, run `make lint`, then the whole suite
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.cbserve-installed
-NATIVE_SRC := $(wildcard native/csrc/*.cpp native/csrc/*.h native/csrc/*.cu native/csrc/fused/*.cpp native/csrc/fused/*.h)
+NATIVE_SRC := $(wildcard native/csrc/*.cpp native/csrc/*.h native/csrc/*.cu native/csrc/linear/*.cpp native/csrc/linear/*.h)
 export CBSERVE_CACHE_DIR ?= $(CURDIR)/.cache
 PORT ?= 50051
 METRICS_PORT ?= 9090
 ARGS ?=
 
-.PHONY: install serve test test-fast protos bench bench-kernels bench-peers native-cuda-check clean
+.PHONY: install serve lint format test test-fast protos bench bench-kernels bench-peers native-cuda-check clean
 
 install: $(STAMP)
 
@@ -29,7 +29,22 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 serve: install
 	$(VENV)/bin/cbserve serve --port $(PORT) --metrics-port $(METRICS_PORT) $(ARGS)
 
-test: install
+# Style and layering (seconds): ruff lint + format check, clang-format on
+# native/csrc, and the import-linter contracts of pyproject.toml.
+CXX_SRC = $(shell find native/csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run -Werror $(CXX_SRC)
+	$(VENV)/bin/lint-imports
+
+# Rewrites the tree in the checked style.
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CXX_SRC)
+
+test: install lint
 	$(PY) -m pytest -q -rs tests $(ARGS)
 
 test-fast: install
@@ -75,7 +90,7 @@ bench: install
 bench-full: install bench-peers
 	$(PY) -m bench suite --full --repeats 3 --out docs $(BENCH_ARGS)
 
-# Kernel benchmark (BENCHMARKS.md section 2): native paged attention vs the
+# Kernel benchmark (docs/benchmarks-method.md section 2): native paged attention vs the
 # torch reference; prints a table and writes docs/kernels.md.
 bench-kernels: install
 	$(PY) -m bench.kernels $(ARGS)

@@ -67,12 +67,19 @@ def _ext_modules():
             ),
             _fused(cxx_flags),
         ]
-    return [CppExtension("native._C", cpp, extra_compile_args={"cxx": cxx_flags}, extra_link_args=LINK_FLAGS), _fused(cxx_flags)]
+    return [
+        CppExtension("native._C", cpp, extra_compile_args={"cxx": cxx_flags}, extra_link_args=LINK_FLAGS),
+        _fused(cxx_flags),
+    ]
 
 
 def _fused(cxx_flags):
-    """native._fused: RMSNorm and SiLU-and-mul for the CPU executor."""
-    src = sorted(glob.glob(os.path.join(CSRC, "fused", "*.cpp")))
+    """native._fused, the CPU executor's layer kernels (native/csrc/linear/):
+    the linear layers (amx_linear, amx_q4_rows_linear, avx512_linear and their
+    SiLU-and-mul / argmax epilogues) and the element-wise ops around them
+    (RMSNorm, residual-add + RMSNorm, SiLU-and-mul, rotary + cache write,
+    greedy argmax)."""
+    src = sorted(glob.glob(os.path.join(CSRC, "linear", "*.cpp")))
     return CppExtension("native._fused", src, extra_compile_args={"cxx": cxx_flags}, extra_link_args=LINK_FLAGS)
 
 

@@ -58,9 +58,14 @@ class ModelCost:
         head = cfg["hidden"] * cfg["vocab"]
         decoder = param_count(cfg)["matmul_params"] - head
         es = dtype_bytes(dtype)
-        return cls(proj_flops=2.0 * decoder, head_flops=2.0 * head, weight_bytes=float(decoder * es),
-                   head_bytes=float(head * es), kv_bytes=float(step_bytes(1, 1, dtype, cfg, weight_bytes=0)),
-                   attn_flops=float(4 * cfg["heads"] * cfg["head_dim"] * cfg["layers"]))
+        return cls(
+            proj_flops=2.0 * decoder,
+            head_flops=2.0 * head,
+            weight_bytes=float(decoder * es),
+            head_bytes=float(head * es),
+            kv_bytes=float(step_bytes(1, 1, dtype, cfg, weight_bytes=0)),
+            attn_flops=float(4 * cfg["heads"] * cfg["head_dim"] * cfg["layers"]),
+        )
 
 
 def iteration_flops(cost: ModelCost, tokens: int, sampled: int, pairs: float) -> float:
@@ -152,8 +157,12 @@ def _measured(paths: list[str], dtype: str) -> dict[tuple[int, int, int, int], l
     for p in paths:
         for r in json.loads(Path(p).read_text())["runs"]:
             w = r.get("workload") or {}
-            if (r.get("error") or r.get("dtype", dtype) != dtype or w.get("arrival", "burst") != "burst"
-                    or w.get("prompt_file")):
+            if (
+                r.get("error")
+                or r.get("dtype", dtype) != dtype
+                or w.get("arrival", "burst") != "burst"
+                or w.get("prompt_file")
+            ):
                 continue
             key = (int(w["cap"]), int(w["seed"]), int(w["num_requests"]), int(w["prompt_len"]))
             runs.setdefault(key, []).append((r["system"], float(r["summary"]["duration_s"])))
@@ -167,25 +176,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--budget", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, help="max_num_batched_tokens")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="weights and KV cache (bytes per value); pass the matmul rate of that dtype too")
-    ap.add_argument("--peak-gflops", type=float, default=400.0,
-                    help="matmul rate (default: cbserve's served 512-token bf16 prefill iterations on the 2-core Zen 4)")
-    ap.add_argument("--bandwidth-gbs", type=float, default=34.0,
-                    help="read bandwidth (default: a 2-thread sum over 512 MB there; `bench roofline` measures it)")
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="weights and KV cache (bytes per value); pass the matmul rate of that dtype too",
+    )
+    ap.add_argument(
+        "--peak-gflops",
+        type=float,
+        default=400.0,
+        help="matmul rate (default: cbserve's served 512-token bf16 prefill iterations on the 2-core Zen 4)",
+    )
+    ap.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=34.0,
+        help="read bandwidth (default: a 2-thread sum over 512 MB there; `bench roofline` measures it)",
+    )
     ap.add_argument("--overhead-ms", type=float, default=0.3, help="per iteration outside the forward")
     ap.add_argument("--results", nargs="*", default=[], help="bench run result files to set beside the bound")
     a = ap.parse_args(argv)
     m = Machine(a.peak_gflops * 1e9, a.bandwidth_gbs * 1e9, a.overhead_ms / 1e3)
     cost = ModelCost.of(dtype=a.dtype)
     measured = _measured(a.results, a.dtype)
-    print(f"FCFS bound ({a.dtype}): {a.peak_gflops:g} GFLOP/s, {a.bandwidth_gbs:g} GB/s, {a.overhead_ms:g} ms/iteration, "
-          f"budget {a.budget}, {a.num_requests} x {a.prompt_len}-token prompts")
+    print(
+        f"FCFS bound ({a.dtype}): {a.peak_gflops:g} GFLOP/s, {a.bandwidth_gbs:g} GB/s, {a.overhead_ms:g} ms/iteration, "
+        f"budget {a.budget}, {a.num_requests} x {a.prompt_len}-token prompts"
+    )
     for cap in a.caps:
         for seed in a.seeds:
             b = fcfs_bound(classic_lengths(cap, seed, a.num_requests, a.prompt_len), a.prompt_len, a.budget, cost, m)
-            line = (f"cap {cap} seed {seed}: {b.output_tokens} tokens, bound {b.seconds:.2f} s = "
-                    f"{b.tokens_per_s:.0f} tok/s ({b.iterations} iterations, last first token {b.last_first_token_s:.2f} s)")
+            line = (
+                f"cap {cap} seed {seed}: {b.output_tokens} tokens, bound {b.seconds:.2f} s = "
+                f"{b.tokens_per_s:.0f} tok/s ({b.iterations} iterations, last first token {b.last_first_token_s:.2f} s)"
+            )
             for system, secs in measured.get((cap, seed, a.num_requests, a.prompt_len), []):
                 line += f"; {system} {secs:.2f} s (runs at {b.seconds / secs:.0%} of the bound's speed)"
             print(line)

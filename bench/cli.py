@@ -51,10 +51,20 @@ def _spec(a, rate=None):
     from bench.workload import WorkloadSpec
 
     arrival = "poisson" if rate is not None else a.arrival
-    return WorkloadSpec(num_requests=a.num_requests, prompt_len=a.prompt_len, prompt_file=a.prompt_file,
-                        output_dist=a.output_dist, cap=a.cap, output_min=a.output_min, output_mean=a.output_mean,
-                        ignore_eos=a.ignore_eos, arrival=arrival, rate=rate if rate is not None else a.rate,
-                        concurrency=a.concurrency, seed=a.seed)
+    return WorkloadSpec(
+        num_requests=a.num_requests,
+        prompt_len=a.prompt_len,
+        prompt_file=a.prompt_file,
+        output_dist=a.output_dist,
+        cap=a.cap,
+        output_min=a.output_min,
+        output_mean=a.output_mean,
+        ignore_eos=a.ignore_eos,
+        arrival=arrival,
+        rate=rate if rate is not None else a.rate,
+        concurrency=a.concurrency,
+        seed=a.seed,
+    )
 
 
 def _tokenizer(model_dir: str):
@@ -77,27 +87,42 @@ def cmd_run(a) -> int:
     workloads = [materialise(s, tokenize) for s in specs]
     out = Path(a.out)
     workdir = out.parent / (out.stem + "-work")
-    runs = run_system(a.system, workloads, dtype=a.dtype, model_dir=model_dir, workdir=workdir,
-                      cbserve_model=a.model, batch_size=a.batch_size, progress=not a.no_progress,
-                      target=a.target, metrics_url=a.metrics_url,
-                      config_overrides=_overrides(a))
+    runs = run_system(
+        a.system,
+        workloads,
+        dtype=a.dtype,
+        model_dir=model_dir,
+        workdir=workdir,
+        cbserve_model=a.model,
+        batch_size=a.batch_size,
+        progress=not a.no_progress,
+        target=a.target,
+        metrics_url=a.metrics_url,
+        config_overrides=_overrides(a),
+    )
     for r in runs:
         s = r["summary"]
-        line = (f"{r['system']} {r['dtype']} cap {r['cap']}" + (f" rate {r['rate']}" if r.get("rate") else "") +
-                f": {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
-                f"TTFT p50/p99 {s['ttft_s']['p50'] * 1e3:.0f}/{s['ttft_s']['p99'] * 1e3:.0f} ms, "
-                f"ITL p50/p99 {s['itl_s']['p50'] * 1e3:.1f}/{s['itl_s']['p99'] * 1e3:.1f} ms, "
-                f"ok {s['num_ok']}/{s['num_requests']}")
+        line = (
+            f"{r['system']} {r['dtype']} cap {r['cap']}"
+            + (f" rate {r['rate']}" if r.get("rate") else "")
+            + f": {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
+            f"TTFT p50/p99 {s['ttft_s']['p50'] * 1e3:.0f}/{s['ttft_s']['p99'] * 1e3:.0f} ms, "
+            f"ITL p50/p99 {s['itl_s']['p50'] * 1e3:.1f}/{s['itl_s']['p99'] * 1e3:.1f} ms, "
+            f"ok {s['num_ok']}/{s['num_requests']}"
+        )
         m = r.get("metrics") or {}
         if m.get("available"):
-            line += (f", mean batch {m.get('mean_batch_occupancy', math.nan):.1f}, "
-                     f"KV mean/max {m.get('kv_usage_mean', math.nan):.2f}/{m.get('kv_usage_max', math.nan):.2f}")
+            line += (
+                f", mean batch {m.get('mean_batch_occupancy', math.nan):.1f}, "
+                f"KV mean/max {m.get('kv_usage_mean', math.nan):.2f}/{m.get('kv_usage_max', math.nan):.2f}"
+            )
         if r.get("error"):
             line += f" ERROR {r['error']}"
         print(line)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m bench " + " ".join(map(shlex.quote, a.argv)), "runs": runs},
-                              default=str))
+    out.write_text(
+        json.dumps({"command": "python -m bench " + " ".join(map(shlex.quote, a.argv)), "runs": runs}, default=str)
+    )
     print(f"wrote {out}")
     if a.plots:
         pd = Path(a.plots)
@@ -121,12 +146,25 @@ def _overrides(a) -> dict:
 def cmd_suite(a) -> int:
     from bench.suite import DEFAULT_SYSTEMS, run_suite
 
-    res = run_suite(a.out, full=a.full, systems=tuple(a.systems.split(",")) if a.systems else DEFAULT_SYSTEMS,
-                    num_requests=a.num_requests, caps=a.caps, dtypes=tuple(a.dtypes.split(",")) if a.dtypes else None,
-                    rates=a.rates, seed=a.seed, results_dir=a.results_dir, cbserve_model=a.model,
-                    roofline=not a.no_roofline, overheads=not a.no_overheads, rate_sweep=not a.no_rate_sweep,
-                    progress=not a.no_progress, budget_min=a.budget_min, repeats=a.repeats,
-                    command="python -m bench " + " ".join(map(shlex.quote, a.argv)))
+    res = run_suite(
+        a.out,
+        full=a.full,
+        systems=tuple(a.systems.split(",")) if a.systems else DEFAULT_SYSTEMS,
+        num_requests=a.num_requests,
+        caps=a.caps,
+        dtypes=tuple(a.dtypes.split(",")) if a.dtypes else None,
+        rates=a.rates,
+        seed=a.seed,
+        results_dir=a.results_dir,
+        cbserve_model=a.model,
+        roofline=not a.no_roofline,
+        overheads=not a.no_overheads,
+        rate_sweep=not a.no_rate_sweep,
+        progress=not a.no_progress,
+        budget_min=a.budget_min,
+        repeats=a.repeats,
+        command="python -m bench " + " ".join(map(shlex.quote, a.argv)),
+    )
     page = "benchmarks-full.md" if a.full else "benchmarks.md"
     print(f"wrote {Path(a.out) / page} in {res['suite_seconds'] / 60:.1f} min")
     return 0
@@ -159,8 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="one system, one workload (or a rate sweep)")
-    r.add_argument("--system", default="cbserve-fcfs",
-                   help="cbserve-<policy> (fcfs|sjf|priority|static|dynamic), hf-static, hf-cb, vllm-cpu")
+    r.add_argument(
+        "--system",
+        default="cbserve-fcfs",
+        help="cbserve-<policy> (fcfs|sjf|priority|static|dynamic), hf-static, hf-cb, vllm-cpu",
+    )
     r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     r.add_argument("--model", default=None, help="cbserve --model (default: its embedded SmolLM2)")
     r.add_argument("--model-dir", default=None, help="HF checkpoint dir for the peers (default: exported SmolLM2)")
@@ -192,16 +233,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-overheads", action="store_true")
     s.add_argument("--no-rate-sweep", action="store_true")
     s.add_argument("--no-progress", action="store_true")
-    s.add_argument("--repeats", type=int, default=1,
-                   help="run every classic workload this many times per system (new prompts each time); "
-                        "the tables show the median run")
-    s.add_argument("--budget-min", type=float, default=None,
-                   help="skip the systems not yet started once this many minutes have passed")
+    s.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every classic workload this many times per system (new prompts each time); "
+        "the tables show the median run",
+    )
+    s.add_argument(
+        "--budget-min",
+        type=float,
+        default=None,
+        help="skip the systems not yet started once this many minutes have passed",
+    )
     s.set_defaults(fn=cmd_suite)
 
-    for name, fn, hlp in (("roofline", cmd_roofline, "matmul roofline"),
-                          ("bound", cmd_bound, "best FCFS run time on a roofline cost model"),
-                          ("export-model", cmd_export, "export SmolLM2 to an HF checkpoint dir")):
+    for name, fn, hlp in (
+        ("roofline", cmd_roofline, "matmul roofline"),
+        ("bound", cmd_bound, "best FCFS run time on a roofline cost model"),
+        ("export-model", cmd_export, "export SmolLM2 to an HF checkpoint dir"),
+    ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(fn=fn)

@@ -34,8 +34,9 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def build_request(req: BenchRequest, *, ignore_eos: bool = True, temperature: float = 0.0,
-                  request_id_prefix: str = "bench") -> "generation_pb2.GenerateRequest":
+def build_request(
+    req: BenchRequest, *, ignore_eos: bool = True, temperature: float = 0.0, request_id_prefix: str = "bench"
+) -> "generation_pb2.GenerateRequest":
     return generation_pb2.GenerateRequest(
         request_id=f"{request_id_prefix}-{req.index}",
         token_ids=generation_pb2.TokenIds(ids=req.prompt_ids),
@@ -45,8 +46,17 @@ def build_request(req: BenchRequest, *, ignore_eos: bool = True, temperature: fl
     )
 
 
-async def _one(stub, req: BenchRequest, rec: RequestRecord, t0: float, *, ignore_eos: bool,
-               temperature: float, timeout_s: float, prefix: str) -> None:
+async def _one(
+    stub,
+    req: BenchRequest,
+    rec: RequestRecord,
+    t0: float,
+    *,
+    ignore_eos: bool,
+    temperature: float,
+    timeout_s: float,
+    prefix: str,
+) -> None:
     msg = build_request(req, ignore_eos=ignore_eos, temperature=temperature, request_id_prefix=prefix)
     rec.send_s = time.perf_counter() - t0
     try:
@@ -65,19 +75,29 @@ async def _one(stub, req: BenchRequest, rec: RequestRecord, t0: float, *, ignore
         rec.error = "stream ended without finish_reason"
 
 
-async def run_grpc_workload(target: str, workload: Workload, *, concurrency: int | None = None,
-                            temperature: float = 0.0, timeout_s: float = 1800.0,
-                            progress: bool = True, desc: str = "cbserve",
-                            prefix: str = "bench",
-                            on_done: Callable[[RequestRecord], None] | None = None,
-                            ) -> tuple[list[RequestRecord], float]:
+async def run_grpc_workload(
+    target: str,
+    workload: Workload,
+    *,
+    concurrency: int | None = None,
+    temperature: float = 0.0,
+    timeout_s: float = 1800.0,
+    progress: bool = True,
+    desc: str = "cbserve",
+    prefix: str = "bench",
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
     """Runs the workload against `target` (host:port). Returns the records and
     the measured duration (first send -> last response)."""
     spec = workload.spec
     conc = concurrency or spec.concurrency
     sem = asyncio.Semaphore(conc) if conc else None
-    records = [RequestRecord(index=r.index, prompt_tokens=len(r.prompt_ids), max_new_tokens=r.max_new_tokens,
-                             arrival_s=r.arrival_s) for r in workload.requests]
+    records = [
+        RequestRecord(
+            index=r.index, prompt_tokens=len(r.prompt_ids), max_new_tokens=r.max_new_tokens, arrival_s=r.arrival_s
+        )
+        for r in workload.requests
+    ]
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -101,11 +121,27 @@ async def run_grpc_workload(target: str, workload: Workload, *, concurrency: int
                 await asyncio.sleep(delay)
             if sem is not None:
                 async with sem:
-                    await _one(stub, req, rec, t0, ignore_eos=spec.ignore_eos, temperature=temperature,
-                               timeout_s=timeout_s, prefix=prefix)
+                    await _one(
+                        stub,
+                        req,
+                        rec,
+                        t0,
+                        ignore_eos=spec.ignore_eos,
+                        temperature=temperature,
+                        timeout_s=timeout_s,
+                        prefix=prefix,
+                    )
             else:
-                await _one(stub, req, rec, t0, ignore_eos=spec.ignore_eos, temperature=temperature,
-                           timeout_s=timeout_s, prefix=prefix)
+                await _one(
+                    stub,
+                    req,
+                    rec,
+                    t0,
+                    ignore_eos=spec.ignore_eos,
+                    temperature=temperature,
+                    timeout_s=timeout_s,
+                    prefix=prefix,
+                )
             if bar is not None:
                 bar.update(1)
             if on_done is not None:

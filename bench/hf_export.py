@@ -98,8 +98,14 @@ def verify_export(dest: str | Path, prompt: str = "What is the capital of France
     tg, th = out_g[0, n:].tolist(), out_h[0, n:].tolist()
     sd_g, sd_h = g_model.state_dict(), h_model.state_dict()
     max_diff = max(float((sd_g[k] - sd_h[k]).abs().max()) for k in sd_h)
-    return {"same_prompt_ids": same_prompt, "same_tokens": tg == th, "gguf_tokens": tg, "hf_tokens": th,
-            "text": h_tok.decode(th, skip_special_tokens=True), "max_weight_abs_diff": max_diff}
+    return {
+        "same_prompt_ids": same_prompt,
+        "same_tokens": tg == th,
+        "gguf_tokens": tg,
+        "hf_tokens": th,
+        "text": h_tok.decode(th, skip_special_tokens=True),
+        "max_weight_abs_diff": max_diff,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,8 +139,12 @@ class MetricsSampler:
                 # "occupancy" means; idle tail samples (0) are dropped for
                 # running-requests but kept in the raw mean.
                 busy = [v for v in vals if v > 0] or vals
-                gauges[g] = {"mean": sum(vals) / len(vals), "mean_busy": sum(busy) / len(busy),
-                             "max": max(vals), "n": len(vals)}
+                gauges[g] = {
+                    "mean": sum(vals) / len(vals),
+                    "mean_busy": sum(busy) / len(busy),
+                    "max": max(vals),
+                    "n": len(vals),
+                }
         out["gauges"] = gauges
         hists = {}
         for h in HISTOGRAMS:
@@ -156,11 +160,16 @@ class MetricsSampler:
         out["counters"] = counters
         # Headline derived numbers.
         bs = hists.get("cbserve_batch_size")
-        out["mean_batch_occupancy"] = bs["mean"] if bs else (
-            gauges.get("cbserve_num_requests_running", {}).get("mean_busy", math.nan))
-        out["mean_batch_occupancy_source"] = ("cbserve_batch_size histogram" if bs else
-                                              "cbserve_num_requests_running gauge samples"
-                                              if "cbserve_num_requests_running" in gauges else "absent")
+        out["mean_batch_occupancy"] = (
+            bs["mean"] if bs else (gauges.get("cbserve_num_requests_running", {}).get("mean_busy", math.nan))
+        )
+        out["mean_batch_occupancy_source"] = (
+            "cbserve_batch_size histogram"
+            if bs
+            else "cbserve_num_requests_running gauge samples"
+            if "cbserve_num_requests_running" in gauges
+            else "absent"
+        )
         kv = gauges.get("cbserve_kv_cache_usage_ratio")
         out["kv_usage_mean"] = kv["mean_busy"] if kv else math.nan
         out["kv_usage_max"] = kv["max"] if kv else math.nan

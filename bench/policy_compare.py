@@ -49,8 +49,7 @@ def _wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
             try:
-                if h.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if h.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
@@ -93,17 +92,42 @@ async def _send_all(address: str, reqs: list[gpb.GenerateRequest]) -> tuple[floa
 
 
 def run_policy(policy: str, args, reqs) -> dict:
-    cfg = {"scheduler": {"policy": policy, "max_num_seqs": args.max_num_seqs,
-                         "static_batch_size": args.static_batch_size, "dynamic_max_wait_ms": 50.0},
-           "logging": {"format": "json", "level": "warning"}}
+    cfg = {
+        "scheduler": {
+            "policy": policy,
+            "max_num_seqs": args.max_num_seqs,
+            "static_batch_size": args.static_batch_size,
+            "dynamic_max_wait_ms": 50.0,
+        },
+        "logging": {"format": "json", "level": "warning"},
+    }
     fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="cbserve-policy-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
     port, mport = _free_port(), _free_port()
     log = open(os.path.join(tempfile.gettempdir(), f"cbserve-policy-{policy}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-                             "--config", cfg_path, "--port", str(port), "--metrics-port", str(mport),
-                             "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--dtype",
+            args.dtype,
+            "--config",
+            cfg_path,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(mport),
+            "--host",
+            "127.0.0.1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     address = f"127.0.0.1:{port}"
     try:
         _wait_serving(address, proc, 300)
@@ -118,8 +142,14 @@ def run_policy(policy: str, args, reqs) -> dict:
             proc.wait()
         log.close()
         os.unlink(cfg_path)
-    return {"policy": policy, "wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
-            "mean_ttft_s": sum(ttfts) / len(ttfts), "max_ttft_s": max(ttfts)}
+    return {
+        "policy": policy,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "tok_s": tokens / wall,
+        "mean_ttft_s": sum(ttfts) / len(ttfts),
+        "max_ttft_s": max(ttfts),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,12 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         row = run_policy(policy, args, reqs)
         rows.append(row)
         print(f"  done {policy}: {row['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    print(f"\nmodel={args.model} dtype={args.dtype} burst={args.n} x {args.prompt_len}-token prompts, "
-          f"max_new 16..128 (total {rows[0]['output_tokens']} output tokens), max_num_seqs={args.max_num_seqs}, "
-          f"static_batch_size={args.static_batch_size}")
+    print(
+        f"\nmodel={args.model} dtype={args.dtype} burst={args.n} x {args.prompt_len}-token prompts, "
+        f"max_new 16..128 (total {rows[0]['output_tokens']} output tokens), max_num_seqs={args.max_num_seqs}, "
+        f"static_batch_size={args.static_batch_size}"
+    )
     print(f"{'policy':<10}{'wall s':>9}{'out tok/s':>11}{'mean TTFT s':>13}{'max TTFT s':>12}")
     for r in rows:
-        print(f"{r['policy']:<10}{r['wall_s']:>9.2f}{r['tok_s']:>11.1f}{r['mean_ttft_s']:>13.3f}{r['max_ttft_s']:>12.3f}")
+        print(
+            f"{r['policy']:<10}{r['wall_s']:>9.2f}{r['tok_s']:>11.1f}{r['mean_ttft_s']:>13.3f}{r['max_ttft_s']:>12.3f}"
+        )
     return 0
 
 

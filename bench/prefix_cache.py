@@ -25,8 +25,10 @@ from bench.workload import PROMPT_ID_LOW, BenchRequest, Workload, WorkloadSpec
 def shared_prefix_workload(n: int, prefix: int, question: int, output: int, seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
     system = rng.integers(PROMPT_ID_LOW, 49152, size=prefix).tolist()
-    reqs = [BenchRequest(i, system + rng.integers(PROMPT_ID_LOW, 49152, size=question).tolist(), output, 0.0)
-            for i in range(n)]
+    reqs = [
+        BenchRequest(i, system + rng.integers(PROMPT_ID_LOW, 49152, size=question).tolist(), output, 0.0)
+        for i in range(n)
+    ]
     spec = WorkloadSpec(num_requests=n, prompt_len=prefix + question, output_dist="fixed", cap=output, seed=seed)
     return Workload(spec, reqs)
 
@@ -44,8 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for enabled in (False, True):
-            run = run_cbserve("fcfs", [w], dtype=args.dtype, workdir=Path(tmp), warmup=False, progress=False,
-                              config_overrides={"extra": {"cache": {"enable_prefix_caching": enabled}}})[0]
+            run = run_cbserve(
+                "fcfs",
+                [w],
+                dtype=args.dtype,
+                workdir=Path(tmp),
+                warmup=False,
+                progress=False,
+                config_overrides={"extra": {"cache": {"enable_prefix_caching": enabled}}},
+            )[0]
             if run.get("error"):
                 print(f"prefix caching {enabled}: failed: {run['error']}", file=sys.stderr)
                 return 1
@@ -64,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|",
     ]
     for enabled, s in rows:
-        lines.append(f"| {'on' if enabled else 'off'} | {s['output_tokens_per_s']:.1f} | {s['ttft_s']['mean']:.3f} | "
-                     f"{s['ttft_s']['p50']:.3f} | {s['ttft_s']['p99']:.3f} | {s['e2e_s']['mean']:.3f} |")
-    lines += ["", f"Throughput x{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}, mean TTFT "
-                  f"/{off['ttft_s']['mean'] / on['ttft_s']['mean']:.2f} with caching on."]
+        lines.append(
+            f"| {'on' if enabled else 'off'} | {s['output_tokens_per_s']:.1f} | {s['ttft_s']['mean']:.3f} | "
+            f"{s['ttft_s']['p50']:.3f} | {s['ttft_s']['p99']:.3f} | {s['e2e_s']['mean']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Throughput x{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}, mean TTFT "
+        f"/{off['ttft_s']['mean'] / on['ttft_s']['mean']:.2f} with caching on.",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

@@ -66,9 +66,11 @@ class ServerCPU:
     def _read(self) -> dict[str, float | None]:
         kids = children(self.pid) if self.pid is not None else []
         kid_cpu = [process_cpu_s(k) for k in kids]
-        return {"router": process_cpu_s(self.pid) if self.pid is not None else None,
-                "executor": sum(c for c in kid_cpu if c is not None) if kids else None,
-                "client": own_cpu_s()}
+        return {
+            "router": process_cpu_s(self.pid) if self.pid is not None else None,
+            "executor": sum(c for c in kid_cpu if c is not None) if kids else None,
+            "client": own_cpu_s(),
+        }
 
     def start(self) -> "ServerCPU":
         self._before = self._read()

@@ -46,7 +46,13 @@ def _fmt(v: Any, nd: int = 1) -> str:
 
 
 def _ms(v: float | None) -> str:
-    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1000:.0f}" if v >= 0.1 else f"{v * 1000:.1f}"
+    return (
+        "–"
+        if v is None or (isinstance(v, float) and math.isnan(v))
+        else f"{v * 1000:.0f}"
+        if v >= 0.1
+        else f"{v * 1000:.1f}"
+    )
 
 
 def _order(systems: Iterable[str]) -> list[str]:
@@ -115,8 +121,20 @@ def throughput_table(runs: list[dict], dtype: str) -> str:
 
 def latency_table(runs: list[dict], dtype: str) -> str:
     by = _runs_by(runs, dtype)
-    header = ["system", "cap", "tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-              "e2e p50 s", "mean batch", "KV usage mean/max", "errors"]
+    header = [
+        "system",
+        "cap",
+        "tok/s",
+        "req/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "e2e p50 s",
+        "mean batch",
+        "KV usage mean/max",
+        "errors",
+    ]
     rows = []
     for c in sorted({c for (_, c) in by}):
         for s in _order(x for (x, cc) in by if cc == c):
@@ -127,12 +145,23 @@ def latency_table(runs: list[dict], dtype: str) -> str:
             sm = r["summary"]
             m = r.get("metrics") or {}
             occ = m.get("mean_batch_occupancy", r.get("meta", {}).get("mean_batch_occupancy"))
-            kv = (f"{_fmt(m.get('kv_usage_mean'), 2)}/{_fmt(m.get('kv_usage_max'), 2)}"
-                  if m.get("available") else "–")
-            rows.append([SYSTEM_LABELS.get(s, s), str(c), _fmt(sm["output_tokens_per_s"]),
-                         _fmt(sm["requests_per_s"], 2), _ms(sm["ttft_s"]["p50"]), _ms(sm["ttft_s"]["p99"]),
-                         _ms(sm["itl_s"]["p50"]), _ms(sm["itl_s"]["p99"]), _fmt(sm["e2e_s"]["p50"], 2),
-                         _fmt(occ), kv, str(sm["num_errors"])])
+            kv = f"{_fmt(m.get('kv_usage_mean'), 2)}/{_fmt(m.get('kv_usage_max'), 2)}" if m.get("available") else "–"
+            rows.append(
+                [
+                    SYSTEM_LABELS.get(s, s),
+                    str(c),
+                    _fmt(sm["output_tokens_per_s"]),
+                    _fmt(sm["requests_per_s"], 2),
+                    _ms(sm["ttft_s"]["p50"]),
+                    _ms(sm["ttft_s"]["p99"]),
+                    _ms(sm["itl_s"]["p50"]),
+                    _ms(sm["itl_s"]["p99"]),
+                    _fmt(sm["e2e_s"]["p50"], 2),
+                    _fmt(occ),
+                    kv,
+                    str(sm["num_errors"]),
+                ]
+            )
     return _table(header, rows)
 
 
@@ -150,13 +179,29 @@ def _share(v) -> str:
 def roofline_bounds_table(roof: dict) -> str:
     rows = []
     for b in roof.get("bounds", []):
-        rows.append([b["dtype"], _fmt(b.get("gflops_576x1536")), _fmt(b.get("simple_bound_tok_s")),
-                     _fmt(b["gflops_weighted"]), _fmt(b["decode_bound_tok_s"]),
-                     _fmt(b.get("cbserve_decode_tok_s")),
-                     _share(b.get("share"))])
-    return _table(["dtype", "GFLOP/s 64×576×1536", "simple bound tok/s",
-                   "GFLOP/s all shapes (FLOP-weighted)", "decode bound tok/s",
-                   "cbserve decode tok/s @64", "share of bound"], rows)
+        rows.append(
+            [
+                b["dtype"],
+                _fmt(b.get("gflops_576x1536")),
+                _fmt(b.get("simple_bound_tok_s")),
+                _fmt(b["gflops_weighted"]),
+                _fmt(b["decode_bound_tok_s"]),
+                _fmt(b.get("cbserve_decode_tok_s")),
+                _share(b.get("share")),
+            ]
+        )
+    return _table(
+        [
+            "dtype",
+            "GFLOP/s 64×576×1536",
+            "simple bound tok/s",
+            "GFLOP/s all shapes (FLOP-weighted)",
+            "decode bound tok/s",
+            "cbserve decode tok/s @64",
+            "share of bound",
+        ],
+        rows,
+    )
 
 
 def memory_roof_table(roof: dict) -> str:
@@ -167,13 +212,33 @@ def memory_roof_table(roof: dict) -> str:
         return ""
     rows = []
     for b in roof.get("bounds", []):
-        rows.append([b["dtype"], _fmt(roof["stream_gb_s"]), str(roof.get("context", "–")), _fmt(b.get("step_mb")),
-                     _fmt(b.get("memory_bound_tok_s")), _fmt(b["decode_bound_tok_s"]),
-                     _fmt(b.get("roofline_bound_tok_s")), _fmt(b.get("cbserve_decode_tok_s")),
-                     _share(b.get("roofline_share"))])
-    return _table(["dtype", "stream GB/s", "context", "MB read per step", "memory bound tok/s",
-                   "compute bound tok/s", "roofline bound tok/s", "cbserve decode tok/s @64",
-                   "share of roofline"], rows)
+        rows.append(
+            [
+                b["dtype"],
+                _fmt(roof["stream_gb_s"]),
+                str(roof.get("context", "–")),
+                _fmt(b.get("step_mb")),
+                _fmt(b.get("memory_bound_tok_s")),
+                _fmt(b["decode_bound_tok_s"]),
+                _fmt(b.get("roofline_bound_tok_s")),
+                _fmt(b.get("cbserve_decode_tok_s")),
+                _share(b.get("roofline_share")),
+            ]
+        )
+    return _table(
+        [
+            "dtype",
+            "stream GB/s",
+            "context",
+            "MB read per step",
+            "memory bound tok/s",
+            "compute bound tok/s",
+            "roofline bound tok/s",
+            "cbserve decode tok/s @64",
+            "share of roofline",
+        ],
+        rows,
+    )
 
 
 def overhead_table(ov: list[dict]) -> str:
@@ -188,28 +253,78 @@ def overhead_table(ov: list[dict]) -> str:
     forward, where the timers above do not separate it."""
     rows = []
     for o in ov:
-        rows.append([str(o["batch"]), _fmt(o.get("decode_tok_s")), _ms(o.get("iteration_mean_s")),
-                     _ms(o.get("executor_step_mean_s")), _ms(o.get("inner_mean_s")), o.get("inner_metric", "–"),
-                     _share(o.get("router_share")), _share(o.get("overhead_share")),
-                     _fmt(o.get("router_cpu_ms"), 2), _fmt(o.get("client_cpu_ms"), 2),
-                     _share(o.get("side_cpu_share")), o.get("note", "")])
-    return _table(["batch", "decode tok/s", "iteration ms", "executor step ms", "inner ms", "inner metric",
-                   "router + transport", "outside the forward", "router CPU ms", "client CPU ms",
-                   "router + client CPU / iteration", "note"], rows)
+        rows.append(
+            [
+                str(o["batch"]),
+                _fmt(o.get("decode_tok_s")),
+                _ms(o.get("iteration_mean_s")),
+                _ms(o.get("executor_step_mean_s")),
+                _ms(o.get("inner_mean_s")),
+                o.get("inner_metric", "–"),
+                _share(o.get("router_share")),
+                _share(o.get("overhead_share")),
+                _fmt(o.get("router_cpu_ms"), 2),
+                _fmt(o.get("client_cpu_ms"), 2),
+                _share(o.get("side_cpu_share")),
+                o.get("note", ""),
+            ]
+        )
+    return _table(
+        [
+            "batch",
+            "decode tok/s",
+            "iteration ms",
+            "executor step ms",
+            "inner ms",
+            "inner metric",
+            "router + transport",
+            "outside the forward",
+            "router CPU ms",
+            "client CPU ms",
+            "router + client CPU / iteration",
+            "note",
+        ],
+        rows,
+    )
 
 
 def rate_table(sweep: list[dict]) -> str:
     rows = []
     for r in sweep:
         sm = r["summary"]
-        rows.append([r["system"], _fmt(r["rate"], 2), _fmt(sm["requests_per_s"], 2), _fmt(sm["output_tokens_per_s"]),
-                     _ms(sm["ttft_s"]["p50"]), _ms(sm["ttft_s"]["p99"]), _ms(sm["itl_s"]["p50"]),
-                     _ms(sm["itl_s"]["p99"]), _fmt(sm["e2e_s"]["p50"], 2), _fmt(sm["e2e_s"]["p99"], 2)])
-    return _table(["system", "rate req/s", "achieved req/s", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                   "ITL p99 ms", "e2e p50 s", "e2e p99 s"], rows)
+        rows.append(
+            [
+                r["system"],
+                _fmt(r["rate"], 2),
+                _fmt(sm["requests_per_s"], 2),
+                _fmt(sm["output_tokens_per_s"]),
+                _ms(sm["ttft_s"]["p50"]),
+                _ms(sm["ttft_s"]["p99"]),
+                _ms(sm["itl_s"]["p50"]),
+                _ms(sm["itl_s"]["p99"]),
+                _fmt(sm["e2e_s"]["p50"], 2),
+                _fmt(sm["e2e_s"]["p99"], 2),
+            ]
+        )
+    return _table(
+        [
+            "system",
+            "rate req/s",
+            "achieved req/s",
+            "tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "e2e p50 s",
+            "e2e p99 s",
+        ],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- plots
+
 
 def plot_throughput_vs_cap(runs: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -217,13 +332,19 @@ def plot_throughput_vs_cap(runs: list[dict], path: Path) -> Path:
     for dt in dtypes:
         by = _runs_by(runs, dt)
         for s in _order(x for (x, _) in by):
-            pts = sorted((c, r["summary"]["output_tokens_per_s"]) for (x, c), r in by.items()
-                         if x == s and not r.get("error"))
+            pts = sorted(
+                (c, r["summary"]["output_tokens_per_s"]) for (x, c), r in by.items() if x == s and not r.get("error")
+            )
             if not pts:
                 continue
             ls = "-" if dt == "bfloat16" else "--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker="o",
-                    label=f"{SYSTEM_LABELS.get(s, s)} ({dt})" if len(dtypes) > 1 else SYSTEM_LABELS.get(s, s))
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                ls,
+                marker="o",
+                label=f"{SYSTEM_LABELS.get(s, s)} ({dt})" if len(dtypes) > 1 else SYSTEM_LABELS.get(s, s),
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("generation cap (tokens)")
     ax.set_ylabel("output tokens/s")
@@ -249,12 +370,17 @@ def _ecdf(ax, vals, label):
     ax.step([x * 1000 for x in v], [(i + 1) / n for i in range(n)], where="post", label=label)
 
 
-def plot_latency_distributions(runs: list[dict], path: Path, cap: int | None = None,
-                               dtype: str | None = None) -> Path:
+def plot_latency_distributions(runs: list[dict], path: Path, cap: int | None = None, dtype: str | None = None) -> Path:
     from bench.stats import RequestRecord
 
-    sel = [r for r in runs if r.get("records") and not r.get("error")
-           and (cap is None or int(r["cap"]) == cap) and (dtype is None or r.get("dtype") == dtype)]
+    sel = [
+        r
+        for r in runs
+        if r.get("records")
+        and not r.get("error")
+        and (cap is None or int(r["cap"]) == cap)
+        and (dtype is None or r.get("dtype") == dtype)
+    ]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in sorted(sel, key=lambda r: SYSTEM_ORDER.index(r["system"]) if r["system"] in SYSTEM_ORDER else 99):
         recs = [RequestRecord.from_dict(d) if isinstance(d, dict) else d for d in r["records"]]
@@ -294,6 +420,7 @@ def plot_latency_vs_rate(sweep: list[dict], path: Path) -> Path:
 
 # ---------------------------------------------------------------- document
 
+
 def alone_table(results: dict) -> str:
     """The batch-1 and batch-64 overhead runs' decode steps again, through
     the executor's model runner alone (bench/standalone.py: same batch,
@@ -303,12 +430,33 @@ def alone_table(results: dict) -> str:
     same batch in the server."""
     rows = []
     for r in alone_rows(results):
-        rows.append([str(r["batch"]), _fmt(r["decode_tok_s"]), _fmt(r["step_ms"], 1), _fmt(r["forward_ms"], 1),
-                     _fmt(r["step_mb"]), _fmt(r.get("memory_roof_tok_s")), _share(r.get("memory_roof_share")),
-                     _fmt(r.get("served_tok_s")), _share(r.get("served_over_alone"))])
-    return _table(["batch", "decode tok/s alone", "step ms", "forward ms", "MB read per step",
-                   "memory roof tok/s", "share of memory roof", "decode tok/s in the server",
-                   "server / alone"], rows)
+        rows.append(
+            [
+                str(r["batch"]),
+                _fmt(r["decode_tok_s"]),
+                _fmt(r["step_ms"], 1),
+                _fmt(r["forward_ms"], 1),
+                _fmt(r["step_mb"]),
+                _fmt(r.get("memory_roof_tok_s")),
+                _share(r.get("memory_roof_share")),
+                _fmt(r.get("served_tok_s")),
+                _share(r.get("served_over_alone")),
+            ]
+        )
+    return _table(
+        [
+            "batch",
+            "decode tok/s alone",
+            "step ms",
+            "forward ms",
+            "MB read per step",
+            "memory roof tok/s",
+            "share of memory roof",
+            "decode tok/s in the server",
+            "server / alone",
+        ],
+        rows,
+    )
 
 
 def phase_table(results: dict) -> str:
@@ -324,8 +472,13 @@ def phase_table(results: dict) -> str:
     f8 = {r["phase"]: r for r in phase_rows(results, kv_fp8=True)}
     rows = []
     for r in phase_rows(results):
-        row = [r["label"], _fmt(r["ms"], 2), _share(r["share"]), _fmt(r["roof_ms"], 2),
-               _fmt(r["ms"] / r["roof_ms"], 2) if r["roof_ms"] else "–"]
+        row = [
+            r["label"],
+            _fmt(r["ms"], 2),
+            _share(r["share"]),
+            _fmt(r["roof_ms"], 2),
+            _fmt(r["ms"] / r["roof_ms"], 2) if r["roof_ms"] else "–",
+        ]
         if f8:
             g = f8.get(r["phase"], {})
             row += [_fmt(g.get("ms"), 2), _fmt(g.get("roof_ms"), 2) if r["phase"] == "attention" else "–"]
@@ -337,27 +490,36 @@ def phase_table(results: dict) -> str:
 
 
 def targets_table(rows: list[dict]) -> str:
-    return _table(["target", "measured in this run", "status"],
-                  [[r["target"], r["measured"], r["status"]] for r in rows])
+    return _table(
+        ["target", "measured in this run", "status"], [[r["target"], r["measured"], r["status"]] for r in rows]
+    )
 
 
-def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks.md",
-                  plot_prefix: str = "bench_") -> Path:
+def render_report(
+    results: dict, out_dir: str | Path, md_name: str = "benchmarks.md", plot_prefix: str = "bench_"
+) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = results.get("runs", [])
     lines: list[str] = [f"# cbserve benchmarks{(' — ' + results['title']) if results.get('title') else ''}", ""]
-    lines += [f"_Generated by `{results.get('command', 'python -m bench suite')}` on "
-              f"{results.get('date', '?')}; every number below comes from that one run._", ""]
+    lines += [
+        f"_Generated by `{results.get('command', 'python -m bench suite')}` on "
+        f"{results.get('date', '?')}; every number below comes from that one run._",
+        "",
+    ]
     mach = results.get("machine", {})
     vers = results.get("versions", {})
-    lines += ["## Setup", "",
-              f"- Machine: {mach.get('cpu_model', '?')}, {mach.get('cores', '?')} cores "
-              f"({mach.get('flags', '')}), {mach.get('mem_gb', '?')} GB RAM, {mach.get('os', '')}; "
-              f"load average start/end {mach.get('loadavg_start_end', '?')}",
-              "- Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
-              f"- Model: {results.get('model', 'SmolLM2-135M-Instruct')}",
-              f"- Workload: {results.get('workload_text', '')}", ""]
+    lines += [
+        "## Setup",
+        "",
+        f"- Machine: {mach.get('cpu_model', '?')}, {mach.get('cores', '?')} cores "
+        f"({mach.get('flags', '')}), {mach.get('mem_gb', '?')} GB RAM, {mach.get('os', '')}; "
+        f"load average start/end {mach.get('loadavg_start_end', '?')}",
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
+        f"- Model: {results.get('model', 'SmolLM2-135M-Instruct')}",
+        f"- Workload: {results.get('workload_text', '')}",
+        "",
+    ]
     if results.get("notes"):
         lines += [f"- {n}" for n in results["notes"]] + [""]
     dtypes = sorted({r.get("dtype") for r in runs}, key=lambda d: (d != "bfloat16", d))
@@ -372,16 +534,20 @@ def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks
         lines += [f"![throughput vs cap]({p.name})", ""]
         for dt in dtypes:
             lines += [f"### Latency and occupancy, {dt}", "", latency_table(runs, dt), ""]
-        lines += ["TTFT counts from the request's arrival (queueing included); ITL is every gap between "
-                  "consecutive output tokens. HF static returns a batch only when its longest member is done "
-                  "(e2e), its tokens are timestamped as produced. Mean batch: cbserve reads "
-                  "`cbserve_batch_size` (_sum/_count deltas) or samples `cbserve_num_requests_running`; "
-                  "peers' numbers come from the runner.", ""]
+        lines += [
+            "TTFT counts from the request's arrival (queueing included); ITL is every gap between "
+            "consecutive output tokens. HF static returns a batch only when its longest member is done "
+            "(e2e), its tokens are timestamped as produced. Mean batch: cbserve reads "
+            "`cbserve_batch_size` (_sum/_count deltas) or samples `cbserve_num_requests_running`; "
+            "peers' numbers come from the runner.",
+            "",
+        ]
         caps = sorted({int(r["cap"]) for r in runs})
         if caps:
             cap = caps[len(caps) // 2]
-            p = plot_latency_distributions(runs, out / f"{plot_prefix}latency_distributions.png", cap=cap,
-                                           dtype=dtypes[0])
+            p = plot_latency_distributions(
+                runs, out / f"{plot_prefix}latency_distributions.png", cap=cap, dtype=dtypes[0]
+            )
             lines += [f"![TTFT/ITL distributions]({p.name})", ""]
     if results.get("rate_sweep"):
         lines += ["## Latency vs arrival rate (Poisson arrivals)", "", rate_table(results["rate_sweep"]), ""]
@@ -389,14 +555,28 @@ def render_report(results: dict, out_dir: str | Path, md_name: str = "benchmarks
         lines += [f"![latency vs rate]({p.name})", ""]
     if results.get("roofline"):
         roof = results["roofline"]
-        lines += ["## Roofline", "", roof.get("text", ""), "", roofline_table(roof), "",
-                  roofline_bounds_table(roof), ""]
+        lines += [
+            "## Roofline",
+            "",
+            roof.get("text", ""),
+            "",
+            roofline_table(roof),
+            "",
+            roofline_bounds_table(roof),
+            "",
+        ]
         mem = memory_roof_table(roof)
         if mem:
             lines += [" ".join(memory_roof_table.__doc__.split()), "", mem, ""]
     if results.get("overheads"):
-        lines += ["## Per-iteration overhead outside the model forward", "",
-                  " ".join(overhead_table.__doc__.split()), "", overhead_table(results["overheads"]), ""]
+        lines += [
+            "## Per-iteration overhead outside the model forward",
+            "",
+            " ".join(overhead_table.__doc__.split()),
+            "",
+            overhead_table(results["overheads"]),
+            "",
+        ]
     if results.get("standalone"):
         lines += ["## The executor alone", "", " ".join(alone_table.__doc__.split()), "", alone_table(results), ""]
         phases = phase_table(results)

@@ -41,8 +41,13 @@ def projections(cfg: dict = SMOLLM2) -> list[Proj]:
     h, i, d, L = cfg["hidden"], cfg["intermediate"], cfg["head_dim"], cfg["layers"]
     q, kv = cfg["heads"] * d, cfg["kv_heads"] * d
     return [
-        Proj("q_proj", h, q, L), Proj("k_proj", h, kv, L), Proj("v_proj", h, kv, L), Proj("o_proj", q, h, L),
-        Proj("gate_proj", h, i, L), Proj("up_proj", h, i, L), Proj("down_proj", i, h, L),
+        Proj("q_proj", h, q, L),
+        Proj("k_proj", h, kv, L),
+        Proj("v_proj", h, kv, L),
+        Proj("o_proj", q, h, L),
+        Proj("gate_proj", h, i, L),
+        Proj("up_proj", h, i, L),
+        Proj("down_proj", i, h, L),
         Proj("lm_head", h, cfg["vocab"], 1),
     ]
 
@@ -50,8 +55,7 @@ def projections(cfg: dict = SMOLLM2) -> list[Proj]:
 def param_count(cfg: dict = SMOLLM2) -> dict[str, int]:
     mm = sum(p.k * p.n * p.per_token_calls for p in projections(cfg))
     norms = cfg["hidden"] * (2 * cfg["layers"] + 1)
-    return {"matmul_params": mm, "total_params": mm + norms,
-            "embedding_params": cfg["hidden"] * cfg["vocab"]}
+    return {"matmul_params": mm, "total_params": mm + norms, "embedding_params": cfg["hidden"] * cfg["vocab"]}
 
 
 def time_linear(m: int, k: int, n: int, dtype, min_time_s: float = 0.15, reps: int = 7) -> float:
@@ -80,14 +84,24 @@ def time_linear(m: int, k: int, n: int, dtype, min_time_s: float = 0.15, reps: i
     return min(samples)
 
 
-def measure(batch: int = 64, dtypes: tuple[str, ...] = ("bfloat16", "float32"), cfg: dict = SMOLLM2,
-            min_time_s: float = 0.15, progress: bool = False) -> dict[str, Any]:
+def measure(
+    batch: int = 64,
+    dtypes: tuple[str, ...] = ("bfloat16", "float32"),
+    cfg: dict = SMOLLM2,
+    min_time_s: float = 0.15,
+    progress: bool = False,
+) -> dict[str, Any]:
     import torch
 
     projs = projections(cfg)
     params = param_count(cfg)
-    out: dict[str, Any] = {"batch": batch, "threads": torch.get_num_threads(), "params": params,
-                           "matmuls": [], "bounds": []}
+    out: dict[str, Any] = {
+        "batch": batch,
+        "threads": torch.get_num_threads(),
+        "params": params,
+        "matmuls": [],
+        "bounds": [],
+    }
     it = [(dt, p) for dt in dtypes for p in projs]
     if progress:
         from tqdm.auto import tqdm
@@ -99,8 +113,18 @@ def measure(batch: int = 64, dtypes: tuple[str, ...] = ("bfloat16", "float32"), 
         tdt = getattr(torch, dt)
         s = time_linear(batch, p.k, p.n, tdt, min_time_s)
         gf = 2 * batch * p.k * p.n / s / 1e9
-        out["matmuls"].append({"name": p.name, "m": batch, "k": p.k, "n": p.n, "dtype": dt, "ms": s * 1e3,
-                               "gflops": gf, "calls_per_step": p.per_token_calls})
+        out["matmuls"].append(
+            {
+                "name": p.name,
+                "m": batch,
+                "k": p.k,
+                "n": p.n,
+                "dtype": dt,
+                "ms": s * 1e3,
+                "gflops": gf,
+                "calls_per_step": p.per_token_calls,
+            }
+        )
         per_dtype[dt] = per_dtype.get(dt, 0.0) + s * p.per_token_calls
         if p.name == "gate_proj":
             s1 = time_linear(1, p.k, p.n, tdt, min_time_s / 2)
@@ -111,10 +135,17 @@ def measure(batch: int = 64, dtypes: tuple[str, ...] = ("bfloat16", "float32"), 
         gflops_w = flops_step / step_s / 1e9
         bound = batch / step_s  # == achieved FLOP/s / (2 x matmul params)
         g1536 = next(m["gflops"] for m in out["matmuls"] if m["dtype"] == dt and m["name"] == "gate_proj")
-        out["bounds"].append({"dtype": dt, "gflops_weighted": gflops_w, "decode_bound_tok_s": bound,
-                              "gflops_576x1536": g1536,
-                              "simple_bound_tok_s": g1536 * 1e9 / (2 * params["matmul_params"]),
-                              "step_matmul_ms": step_s * 1e3, "gflops_batch1_576x1536": one_row.get(dt)})
+        out["bounds"].append(
+            {
+                "dtype": dt,
+                "gflops_weighted": gflops_w,
+                "decode_bound_tok_s": bound,
+                "gflops_576x1536": g1536,
+                "simple_bound_tok_s": g1536 * 1e9 / (2 * params["matmul_params"]),
+                "step_matmul_ms": step_s * 1e3,
+                "gflops_batch1_576x1536": one_row.get(dt),
+            }
+        )
     return out
 
 
@@ -137,8 +168,14 @@ def dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 1 if dtype == "fp8_e5m2" else 2
 
 
-def step_bytes(batch: int, context: int, dtype: str, cfg: dict = SMOLLM2, weight_bytes: int | None = None,
-               kv_dtype: str | None = None) -> int:
+def step_bytes(
+    batch: int,
+    context: int,
+    dtype: str,
+    cfg: dict = SMOLLM2,
+    weight_bytes: int | None = None,
+    kv_dtype: str | None = None,
+) -> int:
     """Bytes one decode step must read: every matmul weight once (in `dtype`,
     or `weight_bytes` as the executor stores them: GGUF blocks where its
     kernels stream those), plus K and V of `context` tokens for each of
@@ -148,8 +185,9 @@ def step_bytes(batch: int, context: int, dtype: str, cfg: dict = SMOLLM2, weight
     return (param_count(cfg)["matmul_params"] * es if weight_bytes is None else weight_bytes) + kv
 
 
-def attach_memory_roof(roof: dict, gb_s: float, context: int, cfg: dict = SMOLLM2,
-                       weight_bytes: dict[str, int] | None = None) -> dict:
+def attach_memory_roof(
+    roof: dict, gb_s: float, context: int, cfg: dict = SMOLLM2, weight_bytes: dict[str, int] | None = None
+) -> dict:
     """Adds the memory bound and the roofline bound (the lower roof) per
     dtype; `weight_bytes` (per dtype) as the executor stores the weights."""
     roof["stream_gb_s"] = gb_s
@@ -182,16 +220,20 @@ def attach_cbserve(roof: dict, decode_tok_s_by_dtype: dict[str, float]) -> dict:
 
 def describe(roof: dict) -> str:
     p = roof["params"]
-    lines = ["Bound: tokens/s <= achieved FLOP/s / (2 × parameters). 'Decode bound' adds up the measured time of "
-             "every projection of one decode step at batch M (so slow shapes count); 'simple bound' uses the "
-             "64×576×1536 rate alone. Best of 7 timed loops per shape.",
-             f"Matmul parameters per decode step: {p['matmul_params'] / 1e6:.1f} M (30 layers of q/k/v/o/gate/up/down "
-             f"+ the tied 576×49152 LM head); one decode token costs 2 × that in FLOPs. torch {roof.get('torch', '')} "
-             f"F.linear, {roof['threads']} threads, M = {roof['batch']} rows (one row per sequence in the batch)."]
+    lines = [
+        "Bound: tokens/s <= achieved FLOP/s / (2 × parameters). 'Decode bound' adds up the measured time of "
+        "every projection of one decode step at batch M (so slow shapes count); 'simple bound' uses the "
+        "64×576×1536 rate alone. Best of 7 timed loops per shape.",
+        f"Matmul parameters per decode step: {p['matmul_params'] / 1e6:.1f} M (30 layers of q/k/v/o/gate/up/down "
+        f"+ the tied 576×49152 LM head); one decode token costs 2 × that in FLOPs. torch {roof.get('torch', '')} "
+        f"F.linear, {roof['threads']} threads, M = {roof['batch']} rows (one row per sequence in the batch).",
+    ]
     for b in roof["bounds"]:
         if b.get("gflops_batch1_576x1536"):
-            lines.append(f"{b['dtype']}: 576×1536 at one row reaches {b['gflops_batch1_576x1536']:.0f} GFLOP/s "
-                         f"(batching is what makes decode efficient).")
+            lines.append(
+                f"{b['dtype']}: 576×1536 at one row reaches {b['gflops_batch1_576x1536']:.0f} GFLOP/s "
+                f"(batching is what makes decode efficient)."
+            )
     return " ".join(lines)
 
 
@@ -203,21 +245,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench roofline")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--context", type=int, default=152,
-                    help="tokens of context per sequence for the memory roof (K/V read per step)")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=152,
+        help="tokens of context per sequence for the memory roof (K/V read per step)",
+    )
     ap.add_argument("--out", default=None, help="write the JSON here")
     a = ap.parse_args(argv)
     roof = measure(a.batch, tuple(a.dtypes.split(",")), progress=True)
     roof["torch"] = torch.__version__
     attach_memory_roof(roof, stream_gb_s(), context=a.context)
     for m in roof["matmuls"]:
-        print(f"{m['dtype']:>9} {m['name']:>9} {m['m']}x{m['k']}x{m['n']:<6} {m['gflops']:7.1f} GFLOP/s "
-              f"{m['ms']:.3f} ms")
+        print(
+            f"{m['dtype']:>9} {m['name']:>9} {m['m']}x{m['k']}x{m['n']:<6} {m['gflops']:7.1f} GFLOP/s {m['ms']:.3f} ms"
+        )
     for b in roof["bounds"]:
-        print(f"{b['dtype']:>9}: weighted {b['gflops_weighted']:.1f} GFLOP/s -> decode bound "
-              f"{b['decode_bound_tok_s']:.0f} tok/s at batch {a.batch}; memory roof "
-              f"{b['memory_bound_tok_s']:.0f} tok/s ({b['step_mb']:.0f} MB a step at {roof['stream_gb_s']:.1f} GB/s, "
-              f"{a.context} tokens of context) -> roofline bound {b['roofline_bound_tok_s']:.0f} tok/s")
+        print(
+            f"{b['dtype']:>9}: weighted {b['gflops_weighted']:.1f} GFLOP/s -> decode bound "
+            f"{b['decode_bound_tok_s']:.0f} tok/s at batch {a.batch}; memory roof "
+            f"{b['memory_bound_tok_s']:.0f} tok/s ({b['step_mb']:.0f} MB a step at {roof['stream_gb_s']:.1f} GB/s, "
+            f"{a.context} tokens of context) -> roofline bound {b['roofline_bound_tok_s']:.0f} tok/s"
+        )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(roof, f, indent=2)

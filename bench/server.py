@@ -42,10 +42,16 @@ def cbserve_command() -> list[str]:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
-def write_router_config(path: Path, policy: str, *, max_num_seqs: int = 64,
-                        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        static_batch_size: int = 16, dynamic_max_wait_ms: float = 50.0,
-                        extra: dict[str, Any] | None = None) -> Path:
+def write_router_config(
+    path: Path,
+    policy: str,
+    *,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    static_batch_size: int = 16,
+    dynamic_max_wait_ms: float = 50.0,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     cfg: dict[str, Any] = {
         "scheduler": {
             "policy": policy,
@@ -75,9 +81,17 @@ def health_serving(target: str, timeout: float = 2.0) -> bool:
 class CbserveServer:
     """Context manager: a cbserve server on free ports for one policy."""
 
-    def __init__(self, workdir: Path, policy: str, *, model: str | None = None, dtype: str = "bfloat16",
-                 ready_timeout_s: float = 600.0, config_overrides: dict[str, Any] | None = None,
-                 extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        policy: str,
+        *,
+        model: str | None = None,
+        dtype: str = "bfloat16",
+        ready_timeout_s: float = 600.0,
+        config_overrides: dict[str, Any] | None = None,
+        extra_args: list[str] | None = None,
+    ):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.policy = policy
@@ -103,12 +117,24 @@ class CbserveServer:
     def start(self) -> "CbserveServer":
         sched = {k: v for k, v in self.config_overrides.items() if k != "extra"}
         # (cbserve serve gives its executor a unique socket of its own.)
-        cfg = write_router_config(self.workdir / f"router-{self.policy}.yaml", self.policy, **sched,
-                                  extra=self.config_overrides.get("extra"))
+        cfg = write_router_config(
+            self.workdir / f"router-{self.policy}.yaml", self.policy, **sched, extra=self.config_overrides.get("extra")
+        )
         # On the CPU also where a GPU exists: the peers here are CPU builds
         # (a GPU server is measured with `bench run --target`).
-        cmd = cbserve_command() + ["serve", "--dtype", self.dtype, "--device", "cpu", "--config", str(cfg),
-                                   "--port", str(self.port), "--metrics-port", str(self.metrics_port)]
+        cmd = cbserve_command() + [
+            "serve",
+            "--dtype",
+            self.dtype,
+            "--device",
+            "cpu",
+            "--config",
+            str(cfg),
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+        ]
         if self.model:
             cmd += ["--model", self.model]
         cmd += self.extra_args
@@ -116,14 +142,16 @@ class CbserveServer:
         self.cmd = cmd
         log = open(self.log_path, "w")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(Path(__file__).resolve().parents[1]))
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(Path(__file__).resolve().parents[1])
+        )
         log.close()
         deadline = t0 + self.ready_timeout_s
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"cbserve exited with {self.proc.returncode} during start-up; "
-                                   f"log {self.log_path}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"cbserve exited with {self.proc.returncode} during start-up; log {self.log_path}:\n{self.tail()}"
+                )
             if health_serving(self.target, timeout=1.0):
                 self.startup_s = time.perf_counter() - t0
                 return self

@@ -21,39 +21,30 @@ import torch
 from cbserve.v1 import executor_pb2 as pb
 from executor.model_loader import load_model, pick_dtype
 from executor.model_source import resolve
-from executor.runner import ModelRunner
+from executor.runner import ModelRunner, greedy_generate
 
 BLOCK_SIZE = 16
 
 # Text prompts (and greedy tokens each) for the agreement check of the fp8 KV cache.
 AGREEMENT_TOKENS = 64
 AGREEMENT_PROMPTS = (
-    "The history of the Roman Empire", "def fibonacci(n):", "Once upon a time, in a small village,",
-    "The mitochondria is", "Water boils at", "In machine learning, overfitting means",
-    "The capital of Australia is", "Photosynthesis converts", "import numpy as np\nx =",
-    "The French Revolution began in", "A haiku about autumn:", "To bake bread, first", "The speed of light is",
-    "Shakespeare wrote", "Quantum computers use", "The best way to learn a language is")
-
-
-def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], n_new: int) -> list[list[int]]:
-    """Prefills every prompt in one plan (greedy sampling, contiguous blocks
-    from 0), then runs `n_new` decode steps of the whole batch; returns each
-    prompt's first `n_new` sampled tokens."""
-    seqs, nb = [], 0
-    for i, p in enumerate(prompts):
-        need = -(-(len(p) + n_new) // runner.block_size)
-        seqs.append(pb.ScheduledSeq(seq_id=i, num_tokens=len(p), new_block_ids=list(range(nb, nb + need)),
-                                    new=pb.NewSeq(token_ids=p, sampling=pb.SeqSampling())))
-        nb += need
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    runner.reset()
-    res = runner.step(pb.Plan(seqs=seqs))
-    for _ in range(n_new):
-        for s, t in zip(res.seq_ids, res.token_ids):
-            out[s].append(t)
-        res = runner.step(pb.Plan(seqs=[pb.ScheduledSeq(seq_id=i, num_tokens=1) for i in range(len(prompts))]))
-    runner.reset()
-    return [out[i] for i in range(len(prompts))]
+    "The history of the Roman Empire",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The mitochondria is",
+    "Water boils at",
+    "In machine learning, overfitting means",
+    "The capital of Australia is",
+    "Photosynthesis converts",
+    "import numpy as np\nx =",
+    "The French Revolution began in",
+    "A haiku about autumn:",
+    "To bake bread, first",
+    "The speed of light is",
+    "Shakespeare wrote",
+    "Quantum computers use",
+    "The best way to learn a language is",
+)
 
 
 def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int]:
@@ -61,8 +52,9 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int]:
     return [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t))) for s, t in zip(a, b)]
 
 
-def _prefill_plan(step_id: int, seq_ids: range, prompt_len: int, blocks_per_seq: int,
-                  gen: torch.Generator, vocab: int) -> pb.Plan:
+def _prefill_plan(
+    step_id: int, seq_ids: range, prompt_len: int, blocks_per_seq: int, gen: torch.Generator, vocab: int
+) -> pb.Plan:
     plan = pb.Plan(step_id=step_id)
     for sid in seq_ids:
         s = plan.seqs.add()
@@ -73,8 +65,15 @@ def _prefill_plan(step_id: int, seq_ids: range, prompt_len: int, blocks_per_seq:
     return plan
 
 
-def measure_runner(runner: ModelRunner, batch: int, prompt_len: int, decode_tokens: int, seed: int = 0,
-                   prefill_seqs_per_step: int = 4, on_decode: Callable[[], None] | None = None) -> dict:
+def measure_runner(
+    runner: ModelRunner,
+    batch: int,
+    prompt_len: int,
+    decode_tokens: int,
+    seed: int = 0,
+    prefill_seqs_per_step: int = 4,
+    on_decode: Callable[[], None] | None = None,
+) -> dict:
     """Prefills `batch` random prompts, then times `decode_tokens` - 1 decode
     steps of the whole batch (the first sampled token comes from the prefill;
     `on_decode` is called between the two). Returns tokens/s and the mean
@@ -82,8 +81,10 @@ def measure_runner(runner: ModelRunner, batch: int, prompt_len: int, decode_toke
     vocab = int(runner.config.vocab_size)
     blocks_per_seq = -(-(prompt_len + decode_tokens) // runner.block_size)
     if batch * blocks_per_seq > runner.kv.num_blocks:
-        raise ValueError(f"{batch} sequences of {prompt_len + decode_tokens} tokens need "
-                         f"{batch * blocks_per_seq} blocks; the runner has {runner.kv.num_blocks}")
+        raise ValueError(
+            f"{batch} sequences of {prompt_len + decode_tokens} tokens need "
+            f"{batch * blocks_per_seq} blocks; the runner has {runner.kv.num_blocks}"
+        )
     gen = torch.Generator().manual_seed(seed)
     runner.reset()
     step = 0
@@ -105,14 +106,19 @@ def measure_runner(runner: ModelRunner, batch: int, prompt_len: int, decode_toke
         forward += runner.step(decode).forward_seconds
     wall = time.perf_counter() - t0
     runner.reset()
-    return {"batch": batch, "prompt_len": prompt_len, "decode_steps": steps,
-            "mean_context": prompt_len + (decode_tokens + 1) / 2,
-            "decode_tok_s": batch * steps / wall, "step_ms": 1e3 * wall / steps,
-            "forward_ms": 1e3 * forward / steps}
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "decode_steps": steps,
+        "mean_context": prompt_len + (decode_tokens + 1) / 2,
+        "decode_tok_s": batch * steps / wall,
+        "step_ms": 1e3 * wall / steps,
+        "forward_ms": 1e3 * forward / steps,
+    }
 
 
 # A decode step's timed calls by phase: the lean forward's per layer
-# (executor/fast_forward.py), then the LM head.
+# (executor/cpu/fast_forward.py), then the LM head.
 PHASES = ("qkv", "rope_cache", "attention", "o_proj", "add_rms_norm", "gate_up", "down", "lm_head")
 
 
@@ -136,11 +142,18 @@ class _PhaseClock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[phase] += time.perf_counter() - t0
+
         return timed
 
 
-def phase_profile(runner: ModelRunner, batch: int, prompt_len: int = 128, decode_tokens: int = 48,
-                  seed: int = 0, untimed: dict | None = None) -> dict | None:
+def phase_profile(
+    runner: ModelRunner,
+    batch: int,
+    prompt_len: int = 128,
+    decode_tokens: int = 48,
+    seed: int = 0,
+    untimed: dict | None = None,
+) -> dict | None:
     """Where the decode steps of measure_runner go: the wall time of each of
     the lean forward's calls and of the LM head (the kernels run synchronously
     on the CPU), summed by phase and per step; 'rest' is what the same steps
@@ -188,12 +201,24 @@ def phase_profile(runner: ModelRunner, batch: int, prompt_len: int = 128, decode
     steps = timed["decode_steps"]
     phases = {ph: 1e3 * clock.seconds[ph] / steps for ph in PHASES}
     phases["rest"] = max(0.0, untimed["step_ms"] - sum(phases.values()))
-    return {"batch": batch, "mean_context": untimed["mean_context"], "step_ms": untimed["step_ms"],
-            "timed_step_ms": timed["step_ms"], "phases_ms": phases}
+    return {
+        "batch": batch,
+        "mean_context": untimed["mean_context"],
+        "step_ms": untimed["step_ms"],
+        "timed_step_ms": timed["step_ms"],
+        "phases_ms": phases,
+    }
 
 
-def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_tokens: int = 48,
-            model: str | None = None, dtype: str = "bfloat16", seed: int = 0, kv_fp8: bool = True) -> dict:
+def measure(
+    batches: tuple[int, ...] = (1, 64),
+    prompt_len: int = 128,
+    decode_tokens: int = 48,
+    model: str | None = None,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    kv_fp8: bool = True,
+) -> dict:
     """Loads the model as the executor does (same kernels, same attention
     backend) and measures each batch size once after one warm-up pass; with
     `kv_fp8`, the largest batch again over an fp8 e5m2 KV cache
@@ -203,32 +228,43 @@ def measure(batches: tuple[int, ...] = (1, 64), prompt_len: int = 128, decode_to
     torch_dtype = pick_dtype(dtype, device)
     big = max(batches)
     prompts = _agreement_prompts(model) if kv_fp8 else None
-    num_blocks = max(big * (-(-(prompt_len + decode_tokens) // BLOCK_SIZE)),
-                     sum(-(-(len(p) + AGREEMENT_TOKENS) // BLOCK_SIZE) for p in prompts or []))
+    num_blocks = max(
+        big * (-(-(prompt_len + decode_tokens) // BLOCK_SIZE)),
+        sum(-(-(len(p) + AGREEMENT_TOKENS) // BLOCK_SIZE) for p in prompts or []),
+    )
     runner = ModelRunner(load_model(source, torch_dtype, device), BLOCK_SIZE, num_blocks=num_blocks)
     measure_runner(runner, min(batches), prompt_len, min(decode_tokens, 4), seed)  # warm-up
     rows = [measure_runner(runner, b, prompt_len, decode_tokens, seed) for b in batches]
-    out = {"model": source.name, "dtype": dtype, "threads": torch.get_num_threads(), "rows": rows,
-           "weight_bytes": decode_weight_bytes(runner),
-           "phases": phase_profile(runner, big, prompt_len, decode_tokens, seed,
-                                   untimed=next(r for r in rows if r["batch"] == big))}
+    out = {
+        "model": source.name,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+        "weight_bytes": decode_weight_bytes(runner),
+        "phases": phase_profile(
+            runner, big, prompt_len, decode_tokens, seed, untimed=next(r for r in rows if r["batch"] == big)
+        ),
+    }
     if kv_fp8:
-        ref = greedy_tokens(runner, prompts, AGREEMENT_TOKENS) if prompts else None
+        ref = greedy_generate(runner, prompts, AGREEMENT_TOKENS) if prompts else None
         del runner  # one model in memory at a time
-        runner = ModelRunner(load_model(source, torch_dtype, device), BLOCK_SIZE, num_blocks=num_blocks,
-                             kv_cache_dtype=torch.float8_e5m2)
+        runner = ModelRunner(
+            load_model(source, torch_dtype, device), BLOCK_SIZE, num_blocks=num_blocks, kv_cache_dtype=torch.float8_e5m2
+        )
         measure_runner(runner, big, prompt_len, min(decode_tokens, 4), seed)  # warm-up
         row = measure_runner(runner, big, prompt_len, decode_tokens, seed)
-        out["kv_fp8"] = {"row": row, "phases": phase_profile(runner, big, prompt_len, decode_tokens, seed,
-                                                             untimed=row)}
+        out["kv_fp8"] = {"row": row, "phases": phase_profile(runner, big, prompt_len, decode_tokens, seed, untimed=row)}
         if ref is not None:
             out["kv_fp8"]["first_divergence"] = first_divergence(
-                ref, greedy_tokens(runner, prompts, AGREEMENT_TOKENS))
+                ref, greedy_generate(runner, prompts, AGREEMENT_TOKENS)
+            )
             del runner
-            torch_ref = ModelRunner(load_model(source, torch_dtype, device), BLOCK_SIZE, num_blocks=num_blocks,
-                                    attention_backend="torch")
+            torch_ref = ModelRunner(
+                load_model(source, torch_dtype, device), BLOCK_SIZE, num_blocks=num_blocks, attention_backend="torch"
+            )
             out["kv_fp8"]["reference_first_divergence"] = first_divergence(
-                ref, greedy_tokens(torch_ref, prompts, AGREEMENT_TOKENS))
+                ref, greedy_generate(torch_ref, prompts, AGREEMENT_TOKENS)
+            )
     return out
 
 
@@ -263,4 +299,3 @@ def decode_weight_bytes(runner: ModelRunner) -> int | None:
     lean forward."""
     ws = _decode_weights(runner)
     return sum(w.numel() * w.element_size() for w in ws) or None
-

@@ -114,7 +114,5 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None)
         "ttft_s": percentiles([r.ttft for r in ok]),
         "itl_s": percentiles(itls),
         "e2e_s": percentiles([r.e2e for r in ok]),
-        "tpot_s": percentiles(
-            [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-        ),
+        "tpot_s": percentiles([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
     }

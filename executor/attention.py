@@ -54,8 +54,16 @@ def paged_attention_forward(
     cb_meta.reshape_and_cache(k, v, cache.key[layer], cache.value[layer], cb_meta.slot_mapping)
     out = torch.empty_like(q)
     scale = float(scaling if scaling is not None else q.shape[-1] ** -0.5)
-    cb_meta.paged_attention(out, q, cache.key[layer], cache.value[layer], cb_meta.block_tables,
-                            cb_meta.cu_seqlens_q, cb_meta.seq_lens, scale)
+    cb_meta.paged_attention(
+        out,
+        q,
+        cache.key[layer],
+        cache.value[layer],
+        cb_meta.block_tables,
+        cb_meta.cu_seqlens_q,
+        cb_meta.seq_lens,
+        scale,
+    )
     return out.unsqueeze(0), None  # [1, T, Hq, D]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from executor.errors import PlanError
 from executor.sampler import SamplingParams
 
 
@@ -28,7 +29,7 @@ class BatchState:
         try:
             return self.seqs[seq_id]
         except KeyError:
-            raise KeyError(f"sequence {seq_id} is unknown to the executor (never sent as new, or freed)") from None
+            raise PlanError(f"sequence {seq_id} is unknown to the executor (never sent as new, or freed)") from None
 
     def free(self, seq_ids) -> None:
         for seq_id in seq_ids:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.huge_pages import huge_buffer
+from executor.cpu.huge_pages import huge_buffer
+from executor.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,10 @@ def host_available_bytes(root: str = "/") -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     cg = os.path.join(root, "sys/fs/cgroup")
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
         limit = _read_int(os.path.join(cg, limit_file))
         usage = _read_int(os.path.join(cg, usage_file))
         if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes ~2^63 for "no limit"
@@ -100,16 +103,20 @@ def _check_fits(device: str, device_bytes: int, host_bytes: int) -> None:
     on_host = host_bytes + (device_bytes if kind == "cpu" else 0)
     free = host_available_bytes()
     if free is not None and on_host > free:
-        raise KVCacheTooLarge(f"the KV cache does not fit: it needs {on_host / 2**30:.2f} GiB of host memory "
-                              f"({device_bytes} bytes of blocks on {device}, {host_bytes} of swap), "
-                              f"{free / 2**30:.2f} GiB are available; lower cache.kv_cache_bytes / "
-                              f"cache.num_blocks / cache.swap_space_bytes")
+        raise KVCacheTooLarge(
+            f"the KV cache does not fit: it needs {on_host / 2**30:.2f} GiB of host memory "
+            f"({device_bytes} bytes of blocks on {device}, {host_bytes} of swap), "
+            f"{free / 2**30:.2f} GiB are available; lower cache.kv_cache_bytes / "
+            f"cache.num_blocks / cache.swap_space_bytes"
+        )
     if kind == "cuda":
         gpu_free, _ = torch.cuda.mem_get_info(torch.device(device))
         if device_bytes > gpu_free:
-            raise KVCacheTooLarge(f"the KV cache does not fit: {device_bytes / 2**30:.2f} GiB of blocks on "
-                                  f"{device}, {gpu_free / 2**30:.2f} GiB free there; lower cache.kv_cache_bytes "
-                                  f"or cache.num_blocks")
+            raise KVCacheTooLarge(
+                f"the KV cache does not fit: {device_bytes / 2**30:.2f} GiB of blocks on "
+                f"{device}, {gpu_free / 2**30:.2f} GiB free there; lower cache.kv_cache_bytes "
+                f"or cache.num_blocks"
+            )
 
 
 def cpu_pool(count: int, dims: tuple[int, ...], dtype: torch.dtype) -> tuple[list[torch.Tensor], mmap.mmap | None]:
@@ -120,10 +127,9 @@ def cpu_pool(count: int, dims: tuple[int, ...], dtype: torch.dtype) -> tuple[lis
 
     The router hands out blocks from anywhere in the pool, so a sequence's
     blocks end up scattered over it (~1 GB for SmolLM2 by default). With 4 KB
-    pages nearly every 6 KB block read by attention then starts with a page
-    walk that misses the caches: a batch-64 decode step on blocks spread
-    over 2,912 took 36.9 / 48.3 ms at contexts 152 / 294 against 34.2 / 42.0
-    on consecutive blocks. 2 MB pages take the walks away. The pages are
+    pages nearly every block read by attention then starts with a page walk
+    that misses the caches; 2 MB pages take the walks away (docs/operations.md,
+    "Memory"). The pages are
     touched here, so the memory is committed at start-up as before."""
     per = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
     if count * per == 0:
@@ -135,8 +141,7 @@ def cpu_pool(count: int, dims: tuple[int, ...], dtype: torch.dtype) -> tuple[lis
 
 
 class KVCache:
-    def __init__(self, shape: CacheShape, num_blocks: int, num_swap_blocks: int = 0,
-                 device: str = "cpu") -> None:
+    def __init__(self, shape: CacheShape, num_blocks: int, num_swap_blocks: int = 0, device: str = "cpu") -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block: raise cache.kv_cache_bytes")
         self.shape = shape
@@ -149,7 +154,7 @@ class KVCache:
         try:
             if torch.device(device).type == "cpu":
                 pool, _ = cpu_pool(2 * shape.num_layers, dims, shape.dtype)
-                self.key, self.value = pool[:shape.num_layers], pool[shape.num_layers:]
+                self.key, self.value = pool[: shape.num_layers], pool[shape.num_layers :]
             else:
                 self.key = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
                 self.value = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
@@ -160,12 +165,13 @@ class KVCache:
                 f"the KV cache does not fit: {num_blocks} blocks on {device} and {num_swap_blocks} swap blocks "
                 f"on the host, {shape.bytes_per_block} bytes each ({exc.__class__.__name__}: "
                 f"{str(exc).splitlines()[0][:200]}); lower cache.kv_cache_bytes / cache.num_blocks / "
-                f"cache.swap_space_bytes") from None
+                f"cache.swap_space_bytes"
+            ) from None
 
     def _check(self, pairs: list[tuple[int, int]], src_n: int, dst_n: int, what: str) -> None:
         for src, dst in pairs:
             if not (0 <= src < src_n and 0 <= dst < dst_n):
-                raise IndexError(f"{what}: block copy {src}->{dst} out of range")
+                raise PlanError(f"{what}: block copy {src}->{dst} out of range")
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copies device blocks to host blocks (src device id, dst host id)."""

@@ -12,6 +12,8 @@ import sys
 import structlog
 import torch
 
+from common.config import ConfigError, load_cache_config
+from common.logging_setup import configure_logging
 from executor import model_loader, model_source
 from executor.kv_cache import CacheShape, KVCacheTooLarge, cache_dtype
 from executor.metrics import ExecutorMetrics
@@ -24,14 +26,17 @@ USAGE_ERROR = 2  # exit status for arguments or config it cannot serve with (arg
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cbserve executor", description=__doc__)
-    p.add_argument("--model", default=model_source.DEFAULT_MODEL,
-                   help="'smollm2' (embedded default), 'tiny[:{json overrides}]', or a local HF checkpoint dir")
+    p.add_argument(
+        "--model",
+        default=model_source.DEFAULT_MODEL,
+        help="'smollm2' (embedded default), 'tiny[:{json overrides}]', or a local HF checkpoint dir",
+    )
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
-    p.add_argument("--device", default="auto",
-                   help="auto (the first CUDA GPU if torch sees one, else cpu) | cpu | cuda | cuda:N")
-    p.add_argument("--listen", default="unix:///tmp/cbserve-executor.sock",
-                   help="unix:///path or host:port")
-    p.add_argument("--config", default=None, help="router.yaml: its cache section sizes the KV pool")
+    p.add_argument(
+        "--device", default="auto", help="auto (the first CUDA GPU if torch sees one, else cpu) | cpu | cuda | cuda:N"
+    )
+    p.add_argument("--listen", default="unix:///tmp/cbserve-executor.sock", help="unix:///path or host:port")
+    p.add_argument("--config", default=None, help="the router's YAML file: its cache section sizes the KV pool")
     p.add_argument("--attention-backend", default="native", choices=["native", "torch"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of this process (0 = off)")
@@ -41,11 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from router.logging_setup import configure_logging  # logging setup is shared, not logic
-
     args = parse_args(argv)
-    cache = _cache_config(args.config)
     configure_logging("info", "auto", process="executor")
+    try:
+        cache = load_cache_config(args.config)
+    except ConfigError as exc:
+        return _refused(exc)
     if args.threads:
         torch.set_num_threads(args.threads)
     source = model_source.resolve(args.model)
@@ -62,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = cache.num_blocks or shape.blocks_for(cache.kv_cache_bytes)
     num_swap = shape.blocks_for(cache.swap_space_bytes)
     try:
-        runner = ModelRunner(model, cache.block_size, num_blocks, num_swap, args.attention_backend,
-                             kv_cache_dtype=kv_dtype)
+        runner = ModelRunner(
+            model, cache.block_size, num_blocks, num_swap, args.attention_backend, kv_cache_dtype=kv_dtype
+        )
     except KVCacheTooLarge as exc:
         return _refused(exc)
     eos = cfg.eos_token_id
@@ -74,16 +81,25 @@ def main(argv: list[str] | None = None) -> int:
     server, health = build_server(service, args.listen, args.tls_cert, args.tls_key)
     # What exists now lives as long as the process (modules, parameters,
     # config tables, imported libraries): moved out of the cyclic GC's reach,
-    # a full collection no longer walks its ~370k objects (with SmolLM2 ~140
-    # ms on this machine: one step stalled by that much whenever it ran).
+    # so a full collection never stalls a step walking them
+    # (docs/operations.md, "Pauses").
     gc.collect()
     gc.freeze()
-    _LOGGER.info("executor ready", frozen_objects=gc.get_freeze_count(), rss_mb=_trim_heap(),
-                 listen=args.listen, model=source.name,
-                 dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-                 device=str(device), num_blocks=num_blocks,
-                 block_size=cache.block_size, backend=args.attention_backend,
-                 threads=torch.get_num_threads(), omp_proc_bind=os.environ.get("OMP_PROC_BIND", ""))
+    _LOGGER.info(
+        "executor ready",
+        frozen_objects=gc.get_freeze_count(),
+        rss_mb=_trim_heap(),
+        listen=args.listen,
+        model=source.name,
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        device=str(device),
+        num_blocks=num_blocks,
+        block_size=cache.block_size,
+        backend=args.attention_backend,
+        threads=torch.get_num_threads(),
+        omp_proc_bind=os.environ.get("OMP_PROC_BIND", ""),
+    )
     wait_forever(server, health, service.worker)
     return 0
 
@@ -91,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 def _trim_heap() -> int | None:
     """Hands the heap's free pages back to the OS (glibc malloc_trim) and
     returns the resident set in MB. Loading leaves the GGUF reader's and
-    transformers' temporaries freed but resident (SmolLM2 bf16 with a
-    16-block cache: 876 -> 682 MB)."""
+    transformers' temporaries freed but resident (docs/operations.md, "Memory")."""
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
@@ -108,12 +123,6 @@ def _refused(exc: Exception) -> int:
     """Logs why the arguments or config cannot be served; the exit status."""
     _LOGGER.error("executor arguments refused", error=str(exc))
     return USAGE_ERROR
-
-
-def _cache_config(path: str | None):
-    from router.config import load_config
-
-    return load_config(path).cache
 
 
 if __name__ == "__main__":

@@ -13,12 +13,18 @@ class ExecutorMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.steps = Counter("cbserve_executor_steps", "Plans executed", registry=r)
-        self.step_seconds = Histogram("cbserve_executor_step_duration_seconds",
-                                      "Whole step: plan application, forward, sampling", buckets=_SECONDS, registry=r)
-        self.forward_seconds = Histogram("cbserve_executor_forward_duration_seconds",
-                                         "Model forward and sampling", buckets=_SECONDS, registry=r)
-        self.step_tokens = Histogram("cbserve_executor_step_tokens", "Tokens computed per step",
-                                     buckets=_TOKENS, registry=r)
+        self.step_seconds = Histogram(
+            "cbserve_executor_step_duration_seconds",
+            "Whole step: plan application, forward, sampling",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "cbserve_executor_forward_duration_seconds", "Model forward and sampling", buckets=_SECONDS, registry=r
+        )
+        self.step_tokens = Histogram(
+            "cbserve_executor_step_tokens", "Tokens computed per step", buckets=_TOKENS, registry=r
+        )
         self.sampled_tokens = Counter("cbserve_executor_sampled_tokens", "Tokens sampled", registry=r)
         self.sequences = Gauge("cbserve_executor_sequences", "Sequences whose state the executor holds", registry=r)
         self.rejected_plans = Counter("cbserve_executor_rejected_plans", "Plans refused as inconsistent", registry=r)

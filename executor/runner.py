@@ -1,8 +1,10 @@
 """One iteration: plan in, sampled tokens out.
 
-Packs every scheduled token of every sequence into one row (no padding), runs
-the transformers model with paged attention, computes the LM head only on the
-rows that sample, and samples.
+`ModelRunner.step` runs four named phases: apply the plan (free, swap, admit;
+PlanError on a contradiction), prepare inputs (every scheduled token of every
+sequence packed into one row, no padding), run the model (the CPU lean
+forward or the transformers model, with paged attention; hidden states kept
+only for the rows that sample), and sample (LM head on those rows only).
 """
 
 from __future__ import annotations
@@ -14,16 +16,14 @@ import structlog
 import torch
 
 from cbserve.v1 import executor_pb2 as pb
-from executor import attention, fast_forward
+from executor import attention
 from executor.batch_state import BatchState, SeqState
+from executor.cpu import fast_forward
+from executor.errors import PlanError
 from executor.kv_cache import CacheShape, KVCache
 from executor.sampler import SamplingParams, greedy_only, sample
 
 _LOGGER = structlog.get_logger(__name__)
-
-
-class PlanError(ValueError):
-    """The plan is inconsistent with the executor's state (bad ids, sizes)."""
 
 
 @dataclass
@@ -33,6 +33,18 @@ class StepOutput:
     logprobs: list[float] | None
     forward_seconds: float
     step_seconds: float
+
+
+@dataclass
+class _Batch:
+    """One step's packed inputs: every scheduled token in one row."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    meta: attention.AttnMetadata
+    sample_rows: torch.Tensor  # [S] long: the rows whose next token is sampled
+    sample_seqs: list[int]  # [S]: those rows' sequences, as indices into the scheduled list
+    sample_states: list[tuple[int, SeqState]]  # [S]: (seq_id, state) of those sequences
 
 
 def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
@@ -47,10 +59,17 @@ def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
-                 num_swap_blocks: int = 0, attention_backend: str = "native",
-                 prepack: bool = True, lean_forward: bool = True,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        block_size: int,
+        num_blocks: int,
+        num_swap_blocks: int = 0,
+        attention_backend: str = "native",
+        prepack: bool = True,
+        lean_forward: bool = True,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -60,30 +79,31 @@ class ModelRunner:
         self.ops = attention.backend_ops(attention_backend)
         model.set_attn_implementation(attention.register())
         if prepack:  # bf16 on AVX-512 bf16 CPUs; a no-op elsewhere
-            from executor.fused_modules import fuse_llama_blocks
-            from executor.packed_linear import prepack_linears
+            from executor.cpu.fused_modules import fuse_llama_blocks
+            from executor.cpu.packed_linear import prepack_linears
 
             fuse_llama_blocks(model)
             prepack_linears(model)
         # bf16 Llama on AVX-512 bf16: eight calls per layer instead of the
-        # transformers layer code (executor/fast_forward.py); None elsewhere.
+        # transformers layer code (executor/cpu/fast_forward.py); None elsewhere.
         self.lean = None
         if prepack and lean_forward:
             self.lean = fast_forward.build(model)
         if prepack:  # the blocks live on in the packed weights (and the lean forward's fused q|k|v)
-            from executor import gguf_weights
+            from executor.cpu import gguf_weights
 
             gguf_weights.release(model)
-        if self.device.type == "cpu":  # what a decode step streams, on 2 MB pages (executor/huge_pages.py)
-            from executor.huge_pages import module_tensors, move_to_huge_pages
+        if self.device.type == "cpu":  # what a decode step streams, on 2 MB pages (executor/cpu/huge_pages.py)
+            from executor.cpu.huge_pages import module_tensors, move_to_huge_pages
 
             moved = move_to_huge_pages(module_tensors([*model.modules(), *self._lean_modules()]))
             _LOGGER.info("weights on huge pages", mb=round(moved / 2**20))
             _warm_up_rotary(model, self.dtype)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # The model's dtype, or float8_e5m2 (cache.kv_cache_dtype; see kv_cache.cache_dtype).
-        self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
-                                      block_size, kv_cache_dtype or self.dtype)
+        self.cache_shape = CacheShape(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, block_size, kv_cache_dtype or self.dtype
+        )
         self.block_size = block_size
         self.kv = KVCache(self.cache_shape, num_blocks, num_swap_blocks, device=str(self.device))
         self.state = BatchState()
@@ -117,28 +137,47 @@ class ModelRunner:
             state.block_table.extend(ids)
         end = state.num_computed + seq.num_tokens
         if end > len(state.token_ids):
-            raise PlanError(f"seq {seq.seq_id}: asks for {seq.num_tokens} tokens, "
-                            f"only {len(state.token_ids) - state.num_computed} are known")
+            raise PlanError(
+                f"seq {seq.seq_id}: asks for {seq.num_tokens} tokens, "
+                f"only {len(state.token_ids) - state.num_computed} are known"
+            )
         if end > len(state.block_table) * self.block_size:
-            raise PlanError(f"seq {seq.seq_id}: {end} tokens need more than its "
-                            f"{len(state.block_table)} blocks")
+            raise PlanError(f"seq {seq.seq_id}: {end} tokens need more than its {len(state.block_table)} blocks")
         return state
 
     def reset(self) -> None:
         self.state.clear()
 
-    # -- the step ---------------------------------------------------------
+    # -- the step: apply the plan, prepare inputs, run the model, sample ----
     @torch.inference_mode()
     def step(self, plan: pb.Plan) -> StepOutput:
         t0 = time.perf_counter()
+        scheduled = self._apply_plan(plan)
+        if not scheduled:
+            return StepOutput([], [], None, 0.0, time.perf_counter() - t0)
+        batch = self._prepare_inputs(scheduled)
+        tf = time.perf_counter()
+        rows = self._run_model(batch)
+        for _, n, st in scheduled:
+            st.num_computed += n
+        seq_ids, tokens, logprobs = self._sample(rows, batch.sample_states)
+        forward = time.perf_counter() - tf
+        return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0)
+
+    def _apply_plan(self, plan: pb.Plan) -> list[tuple[int, int, SeqState]]:
+        """Frees, swaps and admits what the plan says; returns the sequences
+        that compute tokens in this step as (seq_id, num_tokens, state).
+        Raises PlanError, before any model work, where the plan contradicts
+        the executor's state."""
         self.state.free(plan.free_seq_ids)
         self.kv.swap_out([(c.src, c.dst) for c in plan.swap_out])
         self.kv.swap_in([(c.src, c.dst) for c in plan.swap_in])
         scheduled = [(s.seq_id, s.num_tokens, self._admit(s)) for s in plan.seqs]
-        scheduled = [x for x in scheduled if x[1] > 0]
-        if not scheduled:
-            return StepOutput([], [], None, 0.0, time.perf_counter() - t0)
+        return [x for x in scheduled if x[1] > 0]
 
+    def _prepare_inputs(self, scheduled: list[tuple[int, int, SeqState]]) -> _Batch:
+        """Packs every scheduled token into one row (no padding): token ids,
+        positions, cache slots, and the per-sequence attention metadata."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -171,9 +210,10 @@ class ModelRunner:
         if max(seq_lens) > self.max_context:
             raise PlanError(f"a sequence reaches {max(seq_lens)} tokens, beyond the context {self.max_context}")
 
-        # One tensor from one padded list (a per-row copy costs ~5 us a sequence).
-        tables = torch.tensor([st.block_table + [0] * (max_blocks - len(st.block_table)) for _, _, st in scheduled],
-                              dtype=torch.int32)
+        # One tensor from one padded list, not a copy per row.
+        tables = torch.tensor(
+            [st.block_table + [0] * (max_blocks - len(st.block_table)) for _, _, st in scheduled], dtype=torch.int32
+        )
         dev = self.device
         # On a GPU as normal tensors, not inference tensors: their version
         # counters let the native ops validate them once per step, not once
@@ -188,47 +228,97 @@ class ModelRunner:
                 reshape_and_cache=self.ops[0],
                 paged_attention=self.ops[1],
             )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        tf = time.perf_counter()
-        # `rows`: the final hidden states of the rows that sample, in order.
-        rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        if self.lean is not None and len(sample_rows) < len(input_ids):
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_seqs=sample_seqs,
+            sample_states=sample_states,
+        )
+
+    def _run_model(self, batch: _Batch) -> torch.Tensor:
+        """The final hidden states of the rows that sample, in order."""
+        meta = batch.meta
+        num_sampled = len(batch.sample_seqs)
+        if self.lean is not None and num_sampled < batch.input_ids.numel():
             # A prompt chunk is in the step: its unsampled rows stop at the
             # last layer's cache write (fast_forward.SampledRows).
-            pick = torch.tensor(sample_seqs, dtype=torch.long, device=dev)
-            rows = self.lean(ids_t, pos_t, meta, fast_forward.SampledRows(
-                rows=rows_t, block_tables=meta.block_tables.index_select(0, pick),
-                cu_seqlens_q=torch.arange(len(sample_rows) + 1, dtype=torch.int32, device=dev),
-                seq_lens=meta.seq_lens.index_select(0, pick)))
+            dev = self.device
+            pick = torch.tensor(batch.sample_seqs, dtype=torch.long, device=dev)
+            return self.lean(
+                batch.input_ids,
+                batch.positions,
+                meta,
+                fast_forward.SampledRows(
+                    rows=batch.sample_rows,
+                    block_tables=meta.block_tables.index_select(0, pick),
+                    cu_seqlens_q=torch.arange(num_sampled + 1, dtype=torch.int32, device=dev),
+                    seq_lens=meta.seq_lens.index_select(0, pick),
+                ),
+            )
+        if self.lean is not None:
+            hidden = self.lean(batch.input_ids, batch.positions, meta)
         else:
-            if self.lean is not None:
-                hidden = self.lean(ids_t, pos_t, meta)
-            else:
-                hidden = self.model.model(input_ids=ids_t.unsqueeze(0), position_ids=pos_t.unsqueeze(0),
-                                          use_cache=False, cb_meta=meta).last_hidden_state[0]
-            rows = hidden.index_select(0, rows_t)
-        for _, n, st in scheduled:
-            st.num_computed += n
-        tokens: list[int] = []
+            hidden = self.model.model(
+                input_ids=batch.input_ids.unsqueeze(0),
+                position_ids=batch.positions.unsqueeze(0),
+                use_cache=False,
+                cb_meta=meta,
+            ).last_hidden_state[0]
+        return hidden.index_select(0, batch.sample_rows)
+
+    def _sample(
+        self, rows: torch.Tensor, sample_states: list[tuple[int, SeqState]]
+    ) -> tuple[list[int], list[int], list[float] | None]:
+        """The LM head and the sampler over `rows`; appends each sampled token
+        to its sequence. Returns (seq_ids, token_ids, logprobs or None)."""
+        if not sample_states:
+            return [], [], None
+        params = [st.sampling for _, st in sample_states]
         logprobs = None
-        seq_ids: list[int] = []
-        if sample_rows:
-            params = [st.sampling for _, st in sample_states]
-            greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
-            picked = greedy_head(rows) if greedy_head is not None and greedy_only(params) else None
-            if picked is not None:  # the LM head's argmax straight from its accumulators
-                tokens = picked
-            else:
-                logits = self.model.lm_head(rows)
-                hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
-                tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states])
-            for (seq_id, st), tok in zip(sample_states, tokens):
-                st.token_ids.append(tok)
-                st.num_output += 1
-                seq_ids.append(seq_id)
-        forward = time.perf_counter() - tf
-        return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0)
+        greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
+        picked = greedy_head(rows) if greedy_head is not None and greedy_only(params) else None
+        if picked is not None:  # the LM head's argmax straight from its accumulators
+            tokens = picked
+        else:
+            logits = self.model.lm_head(rows)
+            hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
+            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states])
+        seq_ids = []
+        for (seq_id, st), tok in zip(sample_states, tokens):
+            st.token_ids.append(tok)
+            st.num_output += 1
+            seq_ids.append(seq_id)
+        return seq_ids, tokens, logprobs
+
+
+def greedy_generate(runner: ModelRunner, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    """Drives the runner alone (benchmarks, tests): prefills every prompt in
+    one plan (greedy sampling, contiguous blocks from 0), then runs `n_new`
+    decode steps of the whole batch; returns each prompt's first `n_new`
+    sampled tokens. Leaves the runner reset."""
+    seqs, nb = [], 0
+    for i, p in enumerate(prompts):
+        need = -(-(len(p) + n_new) // runner.block_size)
+        seqs.append(
+            pb.ScheduledSeq(
+                seq_id=i,
+                num_tokens=len(p),
+                new_block_ids=list(range(nb, nb + need)),
+                new=pb.NewSeq(token_ids=p, sampling=pb.SeqSampling()),
+            )
+        )
+        nb += need
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    runner.reset()
+    res = runner.step(pb.Plan(seqs=seqs))
+    for _ in range(n_new):
+        for s, t in zip(res.seq_ids, res.token_ids):
+            out[s].append(t)
+        res = runner.step(pb.Plan(seqs=[pb.ScheduledSeq(seq_id=i, num_tokens=1) for i in range(len(prompts))]))
+    runner.reset()
+    return [out[i] for i in range(len(prompts))]
 
 
 def _warm_up_rotary(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -243,4 +333,3 @@ def _warm_up_rotary(model: torch.nn.Module, dtype: torch.dtype) -> None:
         return
     with torch.inference_mode():
         rotary(torch.zeros(1, dtype=dtype), torch.arange(4096).unsqueeze(0))
-

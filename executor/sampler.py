@@ -90,8 +90,8 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], output_indi
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """First index of each row's maximum, as `logits.max(-1).indices`. On CPU
-    the native pass (native._fused.argmax) reads each row once: 0.18 ms for
-    64 x 49152 bf16 logits against 1.2 ms for torch's max()."""
+    the native pass (native._fused.argmax) reads each row once, where torch's
+    max() makes several passes."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.is_contiguous():
         return native_argmax(logits).tolist()
     return logits.max(dim=-1).indices.tolist()

@@ -15,8 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cbserve.v1 import executor_pb2 as pb
 from cbserve.v1 import executor_pb2_grpc as pb_grpc
+from executor.errors import PlanError
 from executor.metrics import ExecutorMetrics
-from executor.runner import ModelRunner, PlanError
+from executor.runner import ModelRunner
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -30,11 +31,15 @@ class _Dropped(Exception):
     """A plan that will not run: its stream's state was reset or an earlier plan failed."""
 
 
+class _Stopping(Exception):
+    """A job still queued when the main thread's loop ended."""
+
+
 class MainThreadWorker:
-    """Runs model work on the main thread. Measured here: a SmolLM2 decode step
-    (batch 8, 2 torch threads) takes 30 ms on the main thread and 48 ms from
-    any other thread (torch/oneDNN per-thread OpenMP state), so gRPC handler
-    threads hand their work over and wait."""
+    """Runs model work on the main thread: torch/oneDNN keep per-thread OpenMP
+    state, and the same step runs markedly slower from a gRPC worker thread
+    (docs/operations.md, "Threads"), so gRPC handler threads hand their work
+    over and wait."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -60,7 +65,7 @@ class MainThreadWorker:
                 except queue.Empty:
                     break
                 if fut.set_running_or_notify_cancel():
-                    fut.set_exception(RuntimeError("the executor is stopping"))
+                    fut.set_exception(_Stopping("the executor is stopping"))
 
     def _serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -77,8 +82,9 @@ class MainThreadWorker:
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
-    def __init__(self, runner: ModelRunner, model_name: str, eos_ids: list[int],
-                 metrics: ExecutorMetrics | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, model_name: str, eos_ids: list[int], metrics: ExecutorMetrics | None = None
+    ) -> None:
         self.runner = runner
         self.metrics = metrics or ExecutorMetrics()
         self.model_name = model_name
@@ -118,12 +124,15 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             epoch = self._epoch
             in_turn = self._order.wait_for(
                 lambda: self._epoch != epoch or self._next_step is None or request.step_id <= self._next_step,
-                timeout=PLAN_ORDER_TIMEOUT_S)
+                timeout=PLAN_ORDER_TIMEOUT_S,
+            )
             if self._epoch != epoch or not context.is_active():
                 context.abort(grpc.StatusCode.ABORTED, f"plan {request.step_id} dropped: state was reset")
             if not in_turn:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"plan {request.step_id} waited {PLAN_ORDER_TIMEOUT_S}s for plan {self._next_step}")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"plan {request.step_id} waited {PLAN_ORDER_TIMEOUT_S}s for plan {self._next_step}",
+                )
             return self._run(request, context)
 
     def StepStream(self, request_iterator, context):
@@ -132,10 +141,11 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         A reader thread queues each plan for the main thread as soon as it
         arrives, so the plan the router sent ahead starts the moment the one
         before it ends, not after its result has been sent and the next
-        message read (measured: that hand-over left the model idle ~0.5-0.9
-        ms a step). A plan that fails ends the stream (INVALID_ARGUMENT) and
-        the plans queued behind it do not run; a Reset from another call ends
-        it (ABORTED) before its next plan runs."""
+        message read (a hand-over that would leave the model idle). A plan
+        that fails ends the stream (INVALID_ARGUMENT for a PlanError,
+        INTERNAL for a failure of the executor's own) and the plans queued
+        behind it do not run; a Reset from another call ends it (ABORTED)
+        before its next plan runs."""
         with self._order:
             epoch = self._epoch
         queued: queue.SimpleQueue = queue.SimpleQueue()
@@ -164,8 +174,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 out = fut.result()
             except _Dropped as exc:
                 context.abort(grpc.StatusCode.ABORTED, str(exc))
-            except (PlanError, KeyError, IndexError, ValueError) as exc:
+            except PlanError as exc:
                 self._rejected(request, exc, context)
+            except _Stopping as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except Exception as exc:  # noqa: BLE001 - the executor's own failure
+                self._failed(request, exc, context)
             yield self._result(request, out)
 
     def _stream_step(self, request: pb.Plan, epoch: int, failed: threading.Event):
@@ -185,6 +199,14 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.metrics.rejected_plans.inc()
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    def _failed(self, request: pb.Plan, exc: Exception, context) -> None:
+        """A step failed for a reason of the executor's own (a kernel bug, out
+        of memory): INTERNAL, with the traceback in the log."""
+        _LOGGER.error("step failed", step_id=request.step_id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        context.abort(
+            grpc.StatusCode.INTERNAL, f"step {request.step_id} failed in the executor: {type(exc).__name__}: {exc}"
+        )
+
     def _advance(self, request: pb.Plan) -> None:
         """`request` is the plan now running: the next in turn is its successor (holds `_order`)."""
         self._next_step = request.step_id + 1
@@ -195,8 +217,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self._advance(request)
         try:
             out = self.worker.call(self.runner.step, request)
-        except (PlanError, KeyError, IndexError, ValueError) as exc:
+        except PlanError as exc:
             self._rejected(request, exc, context)
+        except _Stopping as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the executor's own failure
+            self._failed(request, exc, context)
         return self._result(request, out)
 
     def _result(self, request: pb.Plan, out) -> pb.StepResult:
@@ -227,11 +253,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
 
 
 def _unix_path(address: str) -> str | None:
-    return address[len("unix://"):] if address.startswith("unix://") else None
+    return address[len("unix://") :] if address.startswith("unix://") else None
 
 
-def build_server(service: ExecutorService, address: str, tls_cert: str = "",
-                 tls_key: str = "") -> tuple[grpc.Server, health.HealthServicer]:
+def build_server(
+    service: ExecutorService, address: str, tls_cert: str = "", tls_key: str = ""
+) -> tuple[grpc.Server, health.HealthServicer]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4),
         options=[
@@ -263,8 +290,7 @@ def build_server(service: ExecutorService, address: str, tls_cert: str = "",
     return server, health_servicer
 
 
-def wait_forever(server: grpc.Server, health_servicer: health.HealthServicer,
-                 worker: MainThreadWorker) -> None:
+def wait_forever(server: grpc.Server, health_servicer: health.HealthServicer, worker: MainThreadWorker) -> None:
     import signal
 
     stop = threading.Event()

@@ -1,7 +1,7 @@
 """Pure-torch reference of the paged KV-cache ops.
 
 Same signatures and semantics as the native kernels (see
-../shared/design/ARCHITECTURE.md and native/__init__.py). The executor uses
+docs/native.md and native/__init__.py). The executor uses
 these when `attention_backend: torch`; the native tests use them as the
 reference.
 

@@ -64,8 +64,7 @@ def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
         yield  # pragma: no cover (makes this an async generator)
 
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(stream, **kw)
     return grpc.unary_unary_rpc_method_handler(unary, **kw)

@@ -7,8 +7,9 @@ salt), so later requests with the same prefix reuse it. A block whose refcount
 drops to zero keeps its hash and sits in the free queue; it is evicted (hash
 dropped) least-recently-used only when a fresh block is needed.
 
-Allocation is check-then-act: `allocate` returns False before mutating
+Allocation is check-then-act: `allocate` returns None before mutating
 anything when the pool cannot satisfy it.
+
 
     request.block_ids:  [ b7 | b2 | b9 | b4 ]     block_size = 4
     tokens:              0..3 4..7 8..11 12..13   (b4 half full: not hashable)
@@ -47,8 +48,14 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str = "") -> by
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 enable_prefix_caching: bool = True, watermark: float = 0.0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_swap_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.0,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -104,7 +111,7 @@ class BlockManager:
         out: list[bytes] = []
         parent = None
         for i in range(len(tokens) // bs):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], req.cache_salt)
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], req.cache_salt)
             out.append(parent)
         return out
 
@@ -142,8 +149,7 @@ class BlockManager:
             del self._free[bid]
         blk.ref_count += 1
 
-    def can_allocate(self, req: Request, num_tokens: int, cached: list[int] | None = None,
-                     reserve: int = 0) -> bool:
+    def can_allocate(self, req: Request, num_tokens: int, cached: list[int] | None = None, reserve: int = 0) -> bool:
         table = self._tables.get(req.request_id)
         have = len(table.block_ids) if table else len(cached or [])
         need = max(0, self.blocks_needed(num_tokens) - have)
@@ -152,8 +158,9 @@ class BlockManager:
         revived = sum(1 for b in (cached or []) if self._blocks[b].ref_count == 0) if table is None else 0
         return need + revived + reserve <= len(self._free)
 
-    def allocate(self, req: Request, num_tokens: int, cached: list[int] | None = None,
-                 reserve: int = 0) -> list[int] | None:
+    def allocate(
+        self, req: Request, num_tokens: int, cached: list[int] | None = None, reserve: int = 0
+    ) -> list[int] | None:
         """Grows req's table to hold num_tokens. Returns the new block ids
         (cached hits first), or None and changes nothing when it cannot."""
         if not self.can_allocate(req, num_tokens, cached, reserve):
@@ -191,7 +198,7 @@ class BlockManager:
         bs = self.block_size
         parent = table.hashes[-1] if table.hashes else None
         for i in range(len(table.hashes), full):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], req.cache_salt)
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], req.cache_salt)
             table.hashes.append(parent)
             blk = self._blocks[table.block_ids[i]]
             if blk.block_hash is None and parent not in self._cached:

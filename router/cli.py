@@ -1,11 +1,11 @@
 """The `cbserve` command.
 
-  cbserve serve      router + executor on this machine (the embedded default)
-  cbserve router     the router alone
-  cbserve executor   the executor alone
-  cbserve generate   a streaming client for the terminal
-  cbserve health     grpc.health.v1 probe (exit 0 when SERVING)
-  cbserve bench      load generator and reports
+cbserve serve      router + executor on this machine (the embedded default)
+cbserve router     the router alone
+cbserve executor   the executor alone
+cbserve generate   a streaming client for the terminal
+cbserve health     grpc.health.v1 probe (exit 0 when SERVING)
+cbserve bench      load generator and reports
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import sys
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (embedded SmolLM2-135M-Instruct), 'tiny', or a local HF checkpoint dir")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded SmolLM2-135M-Instruct), 'tiny', or a local HF checkpoint dir",
+    )
     p.add_argument("--config", default=None, help="router YAML config (see deploy/base/router.yaml)")
     p.add_argument("--port", type=int, default=None, help="public gRPC port (default 50051)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9090; 0 = off)")
@@ -31,14 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start executor and router on this machine")
     _common(serve)
     serve.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
-    serve.add_argument("--device", default="auto",
-                       help="executor device: auto (the first CUDA GPU if torch sees one, else cpu) | cpu | "
-                            "cuda | cuda:N")
+    serve.add_argument(
+        "--device",
+        default="auto",
+        help="executor device: auto (the first CUDA GPU if torch sees one, else cpu) | cpu | cuda | cuda:N",
+    )
     serve.add_argument("--attention-backend", default="native", choices=["native", "torch"])
-    serve.add_argument("--executor-threads", type=int, default=0,
-                       help="torch threads of the executor (0 = one per core)")
-    serve.add_argument("--executor-metrics-port", type=int, default=0,
-                       help="Prometheus port of the executor process (0 = off)")
+    serve.add_argument(
+        "--executor-threads", type=int, default=0, help="torch threads of the executor (0 = one per core)"
+    )
+    serve.add_argument(
+        "--executor-metrics-port", type=int, default=0, help="Prometheus port of the executor process (0 = off)"
+    )
     router = sub.add_parser("router", help="start the router alone")
     _common(router)
     sub.add_parser("executor", help="start the executor alone (see cbserve executor --help)", add_help=False)

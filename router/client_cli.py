@@ -59,8 +59,10 @@ def main(argv: list[str]) -> int:
             sys.stdout.write("\n")
             if last is not None:
                 reason = gpb.FinishReason.Name(last.finish_reason)
-                sys.stderr.write(f"[{reason}; prompt {last.usage.prompt_tokens} tokens, "
-                                 f"completion {last.usage.completion_tokens} tokens]\n")
+                sys.stderr.write(
+                    f"[{reason}; prompt {last.usage.prompt_tokens} tokens, "
+                    f"completion {last.usage.completion_tokens} tokens]\n"
+                )
         except grpc.RpcError as exc:
             sys.stderr.write(f"\nerror: {exc.code().name}: {exc.details()}\n")
             return 1
@@ -73,7 +75,8 @@ def health_main(address: str, service: str = "", timeout: float = 4.0) -> int:
     try:
         with grpc.insecure_channel(address) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
     except grpc.RpcError as exc:
         sys.stderr.write(f"{address}: {exc.code().name}\n")
         return 1

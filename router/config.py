@@ -6,18 +6,25 @@ message an operator can act on; nothing here asserts on user input.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from common.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    ConfigError,
+    build_section,
+    read_yaml,
+    validate_cache,
+)
+from common.config import (
+    positive as _positive,
+)
+
+__all__ = ["KV_CACHE_DTYPES", "CacheConfig", "ConfigError", "RouterConfig", "load_config", "config_from_dict"]
 
 BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic")
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message says which key and why."""
 
 
 @dataclass
@@ -93,30 +100,6 @@ class SchedulerConfig:
     pipeline_decode: bool = True
 
 
-KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
-
-
-@dataclass
-class CacheConfig:
-    # Tokens per KV block; the executor allocates its pool with this size.
-    block_size: int = 16
-    # Device KV blocks; 0 = derive from kv_cache_bytes.
-    num_blocks: int = 0
-    # KV pool size in bytes when num_blocks is 0.
-    kv_cache_bytes: int = 1 << 30
-    # Host memory for swap preemption (executor side).
-    swap_space_bytes: int = 256 << 20
-    # Share of blocks kept free when admitting new prompts, so running
-    # sequences can grow without immediate preemption.
-    watermark: float = 0.01
-    # Requests sharing a prompt prefix share its KV blocks.
-    enable_prefix_caching: bool = True
-    # Storage of the executor's KV blocks: 'auto' (the model's dtype) or
-    # 'fp8_e5m2' (one byte per value, CPU only: twice the blocks for the same
-    # bytes and half the bytes each decode step reads, at 2 mantissa bits).
-    kv_cache_dtype: str = "auto"
-
-
 @dataclass
 class LimitsConfig:
     # Backpressure: beyond these, new requests get RESOURCE_EXHAUSTED at once.
@@ -165,59 +148,12 @@ class RouterConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"{where}.{key}: unknown key (known: {known})")
-        f = fields[key]
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            kwargs[key] = _build(type(default), value, f"{where}.{key}")
-            continue
-        kwargs[key] = _coerce(value, type(default), f"{where}.{key}")
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, typ: type, where: str) -> Any:
-    if typ is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if typ is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    return value
-
-
-def _positive(value: float, where: str, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{where}: must be {bound}, got {value}")
-
-
 def validate(cfg: RouterConfig) -> RouterConfig:
     """Checks cross-field rules; returns cfg or raises ConfigError."""
     s = cfg.scheduler
     if s.policy not in BUILTIN_POLICIES and ":" not in s.policy:
         raise ConfigError(
-            f"scheduler.policy: {s.policy!r} is not one of {', '.join(BUILTIN_POLICIES)} "
-            "and not a 'module:Class' path"
+            f"scheduler.policy: {s.policy!r} is not one of {', '.join(BUILTIN_POLICIES)} and not a 'module:Class' path"
         )
     _positive(s.max_num_seqs, "scheduler.max_num_seqs")
     _positive(s.max_num_batched_tokens, "scheduler.max_num_batched_tokens")
@@ -229,26 +165,23 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         )
     _positive(s.long_prefill_token_threshold, "scheduler.long_prefill_token_threshold", True)
     if s.preemption_mode not in ("recompute", "swap"):
-        raise ConfigError(
-            f"scheduler.preemption_mode: {s.preemption_mode!r} must be 'recompute' or 'swap'"
-        )
+        raise ConfigError(f"scheduler.preemption_mode: {s.preemption_mode!r} must be 'recompute' or 'swap'")
     _positive(s.sjf_max_wait_s, "scheduler.sjf_max_wait_s")
     _positive(s.static_batch_size, "scheduler.static_batch_size")
     _positive(s.dynamic_max_wait_ms, "scheduler.dynamic_max_wait_ms", True)
-    c = cfg.cache
-    if c.block_size < 1 or c.block_size & (c.block_size - 1) or c.block_size > 128:
-        raise ConfigError(f"cache.block_size: must be a power of two in [1, 128], got {c.block_size}")
-    _positive(c.num_blocks, "cache.num_blocks", True)
-    _positive(c.kv_cache_bytes, "cache.kv_cache_bytes")
-    _positive(c.swap_space_bytes, "cache.swap_space_bytes", True)
-    if c.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(f"cache.kv_cache_dtype: {c.kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}")
-    if not 0 <= c.watermark < 0.5:
-        raise ConfigError(f"cache.watermark: must be in [0, 0.5), got {c.watermark}")
+    validate_cache(cfg.cache)
     lim = cfg.limits
-    for name in ("max_queued_requests", "max_queued_tokens", "max_new_tokens",
-                 "default_max_new_tokens", "max_stop_strings", "max_stop_string_chars",
-                 "max_request_id_chars", "max_messages", "max_priority_abs"):
+    for name in (
+        "max_queued_requests",
+        "max_queued_tokens",
+        "max_new_tokens",
+        "default_max_new_tokens",
+        "max_stop_strings",
+        "max_stop_string_chars",
+        "max_request_id_chars",
+        "max_messages",
+        "max_priority_abs",
+    ):
         _positive(getattr(lim, name), f"limits.{name}")
     if lim.default_max_new_tokens > lim.max_new_tokens:
         raise ConfigError("limits.default_max_new_tokens must be <= limits.max_new_tokens")
@@ -287,18 +220,9 @@ def validate(cfg: RouterConfig) -> RouterConfig:
 
 
 def config_from_dict(data: dict[str, Any] | None) -> RouterConfig:
-    return validate(_build(RouterConfig, data or {}, "config"))
+    return validate(build_section(RouterConfig, data or {}, "config"))
 
 
 def load_config(path: str | None) -> RouterConfig:
     """Loads and validates a router YAML file; None gives the defaults."""
-    if not path:
-        return validate(RouterConfig())
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path!r}: {exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from exc
-    return config_from_dict(data)
+    return config_from_dict(read_yaml(path)) if path else validate(RouterConfig())

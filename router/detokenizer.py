@@ -31,10 +31,10 @@ class IncrementalDetokenizer:
         """Appends tokens; updates self.text and, if a stop string appeared,
         truncates before it and sets self.stopped."""
         self.ids.extend(token_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset:])
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
+            new = full[len(prefix) :]
             before = len(self.text)
             self.text += new
             # Keep the window short: the decoded context moves forward.
@@ -63,6 +63,6 @@ class IncrementalDetokenizer:
         """The text not yet released; holds back a possible stop-string prefix
         unless final."""
         end = len(self.text) if final or self.stopped else max(self.emitted, len(self.text) - self.hold)
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = end
         return out

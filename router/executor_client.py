@@ -23,6 +23,11 @@ _LOGGER = structlog.get_logger(__name__)
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
+class PlanRejected(Exception):
+    """The executor refused a plan as inconsistent with its state (its
+    PlanError, INVALID_ARGUMENT): a router bug; both sides must start over."""
+
+
 class ExecutorUnavailable(Exception):
     """The executor is down, hung or restarted: in-flight work is lost."""
 
@@ -78,7 +83,7 @@ class ExecutorClient:
             delay = min(delay * 2, self.cfg.reconnect_backoff_max_s)
 
     async def step(self, plan: pb.Plan) -> pb.StepResult:
-        """Runs one plan. Raises ValueError when the executor rejected it and
+        """Runs one plan. Raises PlanRejected when the executor rejected it and
         ExecutorUnavailable when it failed, hung past `step_timeout_s` or went away."""
         if self._stub is None:
             self._open()
@@ -95,8 +100,11 @@ class ExecutorClient:
             return await asyncio.wait_for(asyncio.shield(fut), self.cfg.step_timeout_s)
         except asyncio.TimeoutError:
             # Worded as the unary call's deadline: the supervisor kills a hung executor on it.
-            stream.fail(ExecutorUnavailable(f"Step failed: DEADLINE_EXCEEDED: plan {plan.step_id} took over "
-                                            f"{self.cfg.step_timeout_s}s"))
+            stream.fail(
+                ExecutorUnavailable(
+                    f"Step failed: DEADLINE_EXCEEDED: plan {plan.step_id} took over {self.cfg.step_timeout_s}s"
+                )
+            )
             raise fut.exception() from None
 
     def _drop_stream(self, why: str) -> None:
@@ -122,7 +130,7 @@ def _step_error(exc: grpc.aio.AioRpcError) -> Exception:
 def _status_error(code: grpc.StatusCode, details: str) -> Exception:
     """What a plan fails with when its call ended with this status."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(f"executor rejected the plan: {details}")
+        return PlanRejected(f"executor rejected the plan: {details}")
     return ExecutorUnavailable(f"Step failed: {code.name}: {details}")
 
 
@@ -154,7 +162,7 @@ class _StepStream:
     async def _why_ended(self, exc: Exception) -> Exception:
         """What the plans in flight fail with when a write finds the call
         over: its status, as the reader would report it (a plan the executor
-        rejected ends the stream with INVALID_ARGUMENT: that is a ValueError
+        rejected ends the stream with INVALID_ARGUMENT: that is a PlanRejected
         for the rejected plan, not an executor that went away)."""
         try:
             code = await asyncio.wait_for(self.call.code(), 1.0)

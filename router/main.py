@@ -10,9 +10,9 @@ from typing import Awaitable, Callable
 
 import structlog
 
+from common.logging_setup import configure_logging
 from router.config import ConfigError, RouterConfig, load_config
 from router.engine import Engine
-from router.logging_setup import configure_logging
 from router.metrics import Metrics
 from router.server import PublicServer
 from router.tokenizer import load_tokenizer
@@ -54,15 +54,19 @@ async def run_router(
     if config_path:
         loop.add_signal_handler(signal.SIGHUP, _reload)
     # The tokenizer, config, server and imported libraries live as long as
-    # the process: out of the cyclic GC's reach, as in the executor (a full
-    # collection of the ~350k objects took ~130 ms with SmolLM2's tokenizer,
-    # the event loop and every stream stalled meanwhile).
+    # the process: out of the cyclic GC's reach, as in the executor, so a full
+    # collection never stalls the event loop walking them
+    # (docs/operations.md, "Pauses").
     gc.collect()
     gc.freeze()
-    _LOGGER.info("router listening", address=f"{cfg.server.host}:{server.port}",
-                 frozen_objects=gc.get_freeze_count(),
-                 metrics=f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics",
-                 executor=cfg.executor.address, policy=cfg.scheduler.policy)
+    _LOGGER.info(
+        "router listening",
+        address=f"{cfg.server.host}:{server.port}",
+        frozen_objects=gc.get_freeze_count(),
+        metrics=f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics",
+        executor=cfg.executor.address,
+        policy=cfg.scheduler.policy,
+    )
     if on_started is not None:
         res = on_started(server)
         if asyncio.iscoroutine(res):

@@ -5,8 +5,27 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -14,32 +33,83 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         self.num_requests_running = Gauge("cbserve_num_requests_running", "Requests in the running batch", registry=r)
-        self.num_requests_waiting = Gauge("cbserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.num_requests_swapped = Gauge("cbserve_num_requests_swapped", "Requests swapped out to host memory", registry=r)
-        self.queue_requests = Gauge("cbserve_queue_requests", "Requests per scheduler queue, labelled with the active policy",
-                                    ["policy", "queue"], registry=r)
-        self.swap_usage_ratio = Gauge("cbserve_swap_usage_ratio", "Share of host swap blocks held by swapped-out requests (0-1)", registry=r)
-        self.kv_cache_usage_ratio = Gauge("cbserve_kv_cache_usage_ratio", "Share of KV blocks held by requests (0-1)", registry=r)
+        self.num_requests_waiting = Gauge(
+            "cbserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r
+        )
+        self.num_requests_swapped = Gauge(
+            "cbserve_num_requests_swapped", "Requests swapped out to host memory", registry=r
+        )
+        self.queue_requests = Gauge(
+            "cbserve_queue_requests",
+            "Requests per scheduler queue, labelled with the active policy",
+            ["policy", "queue"],
+            registry=r,
+        )
+        self.swap_usage_ratio = Gauge(
+            "cbserve_swap_usage_ratio", "Share of host swap blocks held by swapped-out requests (0-1)", registry=r
+        )
+        self.kv_cache_usage_ratio = Gauge(
+            "cbserve_kv_cache_usage_ratio", "Share of KV blocks held by requests (0-1)", registry=r
+        )
         self.num_preemptions = Counter("cbserve_num_preemptions", "Preemptions (recompute or swap)", registry=r)
-        self.num_swaps = Counter("cbserve_num_swaps", "Preemptions that swapped a request's KV blocks out to host memory", registry=r)
-        self.prefix_cache_queries = Counter("cbserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_cache_hits = Counter("cbserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.num_swaps = Counter(
+            "cbserve_num_swaps", "Preemptions that swapped a request's KV blocks out to host memory", registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "cbserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "cbserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
         self.prompt_tokens = Counter("cbserve_prompt_tokens", "Prompt tokens received", registry=r)
-        self.prompt_tokens_computed = Counter("cbserve_prompt_tokens_computed", "Prompt tokens computed (not cached)", registry=r)
+        self.prompt_tokens_computed = Counter(
+            "cbserve_prompt_tokens_computed", "Prompt tokens computed (not cached)", registry=r
+        )
         self.generation_tokens = Counter("cbserve_generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("cbserve_requests", "Finished requests by outcome", ["finish_reason", "status"], registry=r)
-        self.request_errors = Counter("cbserve_request_errors", "Requests refused before admission, by gRPC status", ["status"], registry=r)
-        self.iteration_tokens = Histogram("cbserve_iteration_tokens", "Tokens computed per iteration", buckets=_TOKEN_BUCKETS, registry=r)
+        self.requests = Counter(
+            "cbserve_requests", "Finished requests by outcome", ["finish_reason", "status"], registry=r
+        )
+        self.request_errors = Counter(
+            "cbserve_request_errors", "Requests refused before admission, by gRPC status", ["status"], registry=r
+        )
+        self.iteration_tokens = Histogram(
+            "cbserve_iteration_tokens", "Tokens computed per iteration", buckets=_TOKEN_BUCKETS, registry=r
+        )
         self.batch_size = Histogram("cbserve_batch_size", "Sequences per iteration", buckets=_TOKEN_BUCKETS, registry=r)
-        self.time_to_first_token = Histogram("cbserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram("cbserve_inter_token_latency_seconds", "Gap between consecutive tokens of a request", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("cbserve_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e_latency = Histogram("cbserve_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r)
-        self.iteration_seconds = Histogram("cbserve_iteration_seconds", "Wall time of one router iteration (schedule, step, outputs)", buckets=_LATENCY_BUCKETS, registry=r)
-        self.executor_step_seconds = Histogram("cbserve_executor_step_seconds", "Executor time per step", buckets=_LATENCY_BUCKETS, registry=r)
-        self.executor_forward_seconds = Histogram("cbserve_executor_forward_seconds", "Model forward + sampling time per step", buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_to_first_token = Histogram(
+            "cbserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "cbserve_inter_token_latency_seconds",
+            "Gap between consecutive tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "cbserve_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e_latency = Histogram(
+            "cbserve_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.iteration_seconds = Histogram(
+            "cbserve_iteration_seconds",
+            "Wall time of one router iteration (schedule, step, outputs)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.executor_step_seconds = Histogram(
+            "cbserve_executor_step_seconds", "Executor time per step", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.executor_forward_seconds = Histogram(
+            "cbserve_executor_forward_seconds",
+            "Model forward + sampling time per step",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.executor_up = Gauge("cbserve_executor_up", "1 while the executor is connected", registry=r)
-        self.executor_restarts = Counter("cbserve_executor_reconnects", "Times the router reconnected to a (new) executor", registry=r)
+        self.executor_restarts = Counter(
+            "cbserve_executor_reconnects", "Times the router reconnected to a (new) executor", registry=r
+        )
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         if port:

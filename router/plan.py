@@ -32,12 +32,14 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> pb.Plan:
             replace_block_table=item.replace_block_table,
         )
         if item.is_new:
-            msg.new.CopyFrom(pb.NewSeq(
-                token_ids=req.all_token_ids,
-                num_computed_tokens=req.num_computed_tokens,
-                sampling=_sampling(req),
-                num_output_tokens=len(req.output_token_ids),
-            ))
+            msg.new.CopyFrom(
+                pb.NewSeq(
+                    token_ids=req.all_token_ids,
+                    num_computed_tokens=req.num_computed_tokens,
+                    sampling=_sampling(req),
+                    num_output_tokens=len(req.output_token_ids),
+                )
+            )
         seqs.append(msg)
     return pb.Plan(
         step_id=step_id,

@@ -67,8 +67,9 @@ class TokenEvent:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, policy: Policy,
-                 eos_token_ids: list[int], max_context: int) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, blocks: BlockManager, policy: Policy, eos_token_ids: list[int], max_context: int
+    ) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.policy = policy
@@ -150,8 +151,10 @@ class Scheduler:
         self.policy.on_preempted(victim)
         _LOGGER.info("preempted", request_id=victim.request_id, mode=victim.status.value)
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_uncomputed, budget)
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute now of `remaining`: within the budget, and a
+        prefill chunk within long_prefill_token_threshold when it is set."""
+        n = min(remaining, budget)
         if n > 1 and self.cfg.long_prefill_token_threshold:
             n = min(n, self.cfg.long_prefill_token_threshold)
         return n
@@ -187,12 +190,15 @@ class Scheduler:
             if budget <= 0:
                 break
             avail = budget
-            if req.num_uncomputed > 1:
+            if req.is_prefill:
                 # Decodes first: a prefill chunk leaves one token for every
                 # running decode still to be served in this loop.
-                avail -= sum(1 for r in self.running if r is not req and r.seq_id not in scheduled
-                             and r.status == Status.RUNNING and r.num_uncomputed == 1)
-            n = self._chunk(req, avail)
+                avail -= sum(
+                    1
+                    for r in self.running
+                    if r is not req and r.seq_id not in scheduled and r.status == Status.RUNNING and not r.is_prefill
+                )
+            n = self._chunk(req.num_uncomputed, avail)
             if n <= 0:
                 continue
             while True:
@@ -225,8 +231,7 @@ class Scheduler:
 
     def _item(self, req: Request, n: int) -> ScheduledSeq:
         prompt = max(0, min(req.num_computed_tokens + n, len(req.prompt_token_ids)) - req.num_computed_tokens)
-        item = ScheduledSeq(req, n, req.pending_block_ids, prompt, not req.executor_has_state,
-                            req.replace_block_table)
+        item = ScheduledSeq(req, n, req.pending_block_ids, prompt, not req.executor_has_state, req.replace_block_table)
         req.pending_block_ids = []
         req.replace_block_table = False
         return item
@@ -237,7 +242,7 @@ class Scheduler:
                 break
             if self._outranked_by_waiting(req):
                 continue
-            n = self._chunk(req, budget)
+            n = self._chunk(req.num_uncomputed, budget)
             grow = self.blocks.blocks_needed(req.num_computed_tokens + n) - self.blocks.num_swapped_blocks(req)
             if not self.blocks.can_swap_in(req, reserve=max(0, grow)):
                 break
@@ -273,9 +278,7 @@ class Scheduler:
             remaining = req.num_tokens - computed
             if not self.cfg.enable_chunked_prefill and remaining > budget:
                 break
-            n = min(remaining, budget)
-            if n > 1 and self.cfg.long_prefill_token_threshold:
-                n = min(n, self.cfg.long_prefill_token_threshold)
+            n = self._chunk(remaining, budget)
             new = self.blocks.allocate(req, computed + n, cached, reserve=self.blocks.watermark_blocks)
             if new is None:
                 break
@@ -312,12 +315,18 @@ class Scheduler:
             return None
         if len(self.running) > self.cfg.max_num_batched_tokens:
             return None
-        decoding = {item.req.seq_id for item in inflight.seqs
-                    if item.num_tokens == 1 and not item.num_prompt_tokens and not item.is_new}
+        decoding = {
+            item.req.seq_id
+            for item in inflight.seqs
+            if item.num_tokens == 1 and not item.num_prompt_tokens and not item.is_new
+        }
         if len(decoding) != len(inflight.seqs) or any(r.seq_id not in decoding for r in self.running):
             return None
-        ahead = [r for r in sorted(self.running, key=self.policy.running_key)
-                 if len(r.output_token_ids) + 1 < r.stopping.max_new_tokens and r.num_tokens + 1 < self.max_context]
+        ahead = [
+            r
+            for r in sorted(self.running, key=self.policy.running_key)
+            if len(r.output_token_ids) + 1 < r.stopping.max_new_tokens and r.num_tokens + 1 < self.max_context
+        ]
         # Blocks for one token past `inflight`'s; all or nothing (what was
         # allocated stays pending and goes out with the next plan).
         for req in ahead:
@@ -331,8 +340,14 @@ class Scheduler:
         return out if not out.is_empty() else None
 
     # -- results ------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, seq_ids: list[int], token_ids: list[int],
-               logprobs: list[float], now: float | None = None) -> list[TokenEvent]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        seq_ids: list[int],
+        token_ids: list[int],
+        logprobs: list[float],
+        now: float | None = None,
+    ) -> list[TokenEvent]:
         """Applies a step's result; returns the requests that got a token.
         Token-level stops (EOS, max_new_tokens, context) finish requests here."""
         now = time.monotonic() if now is None else now

@@ -47,18 +47,33 @@ class GenerationService(gpb_grpc.GenerationServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         usable_blocks = facts.num_blocks - sched.blocks.watermark_blocks
         try:
-            req = build_request(request, eng.tokenizer, lim, facts.vocab_size, facts.max_context,
-                                usable_blocks * facts.block_size, deadline)
+            req = build_request(
+                request,
+                eng.tokenizer,
+                lim,
+                facts.vocab_size,
+                facts.max_context,
+                usable_blocks * facts.block_size,
+                deadline,
+            )
         except RequestError as exc:
             await self._refuse(context, exc.code, exc.message)
         if req.request_id in eng.handles:
-            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight")
+            await self._refuse(
+                context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight"
+            )
         if len(sched.waiting) >= lim.max_queued_requests:
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the queue is full ({lim.max_queued_requests} requests waiting)")
+            await self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the queue is full ({lim.max_queued_requests} requests waiting)",
+            )
         if sched.num_queued_tokens() + len(req.prompt_token_ids) > lim.max_queued_tokens:
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the queue is full ({lim.max_queued_tokens} prompt tokens waiting)")
+            await self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the queue is full ({lim.max_queued_tokens} prompt tokens waiting)",
+            )
         return eng.submit(req)
 
     @staticmethod
@@ -72,9 +87,11 @@ class GenerationService(gpb_grpc.GenerationServicer):
 
     @staticmethod
     def _usage(req) -> gpb.Usage:
-        return gpb.Usage(prompt_tokens=len(req.prompt_token_ids),
-                         completion_tokens=len(req.output_token_ids),
-                         cached_prompt_tokens=req.num_cached_prompt_tokens)
+        return gpb.Usage(
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=len(req.output_token_ids),
+            cached_prompt_tokens=req.num_cached_prompt_tokens,
+        )
 
     # -- RPCs -----------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -133,9 +150,15 @@ class GenerationService(gpb_grpc.GenerationServicer):
         if f is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is not available")
         return gpb.ModelInfoResponse(
-            model=f.model, dtype=f.dtype, max_context_length=f.max_context, vocab_size=f.vocab_size,
-            block_size=f.block_size, num_kv_blocks=f.num_blocks, policy=self.cfg.scheduler.policy,
-            version=__version__, max_new_tokens_limit=self.cfg.limits.max_new_tokens,
+            model=f.model,
+            dtype=f.dtype,
+            max_context_length=f.max_context,
+            vocab_size=f.vocab_size,
+            block_size=f.block_size,
+            num_kv_blocks=f.num_blocks,
+            policy=self.cfg.scheduler.policy,
+            version=__version__,
+            max_new_tokens_limit=self.cfg.limits.max_new_tokens,
             attention_backend=f.attention_backend,
         )
 
@@ -212,8 +235,11 @@ class PublicServer:
         engine.on_ready_change(self._on_ready)
 
     def _on_ready(self, ready: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if ready and self.engine.accepting \
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready and self.engine.accepting
             else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         loop = asyncio.get_running_loop()
         for name in ("", SERVICE_NAME):
             loop.create_task(self.health.set(name, status))

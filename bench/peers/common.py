@@ -21,16 +21,26 @@ def norm_dtype(d: str) -> str:
         raise ValueError(f"dtype must be bfloat16 or float32, got {d!r}") from None
 
 
-def result_payload(system: str, dtype: str, workload_dict: dict, records: list[dict], duration_s: float,
-                   meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def result_payload(
+    system: str,
+    dtype: str,
+    workload_dict: dict,
+    records: list[dict],
+    duration_s: float,
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
         "system": system,
         "dtype": dtype,
         "workload": workload_dict["spec"],
         "duration_s": duration_s,
         "records": records,
-        "meta": {"python": sys.version.split()[0], "platform": platform.platform(),
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})},
+        "meta": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **(meta or {}),
+        },
     }
 
 

@@ -15,9 +15,16 @@ from bench.stats import RequestRecord
 from bench.workload import Workload
 
 
-def run_hf_cb(workload: Workload, model_dir: str, dtype: str = "bfloat16", progress: bool = True,
-              max_batch_tokens: int | None = None, num_threads: int | None = None, model=None,
-              attn_implementation: str | None = None) -> dict[str, Any]:
+def run_hf_cb(
+    workload: Workload,
+    model_dir: str,
+    dtype: str = "bfloat16",
+    progress: bool = True,
+    max_batch_tokens: int | None = None,
+    num_threads: int | None = None,
+    model=None,
+    attn_implementation: str | None = None,
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -33,8 +40,9 @@ def run_hf_cb(workload: Workload, model_dir: str, dtype: str = "bfloat16", progr
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), **kw).eval()
     load_s = time.perf_counter() - t_load
     cap = max(r.max_new_tokens for r in workload.requests)
-    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=cap, eos_token_id=-1,
-                               pad_token_id=model.config.pad_token_id or 0)
+    gen_cfg = GenerationConfig(
+        do_sample=False, max_new_tokens=cap, eos_token_id=-1, pad_token_id=model.config.pad_token_id or 0
+    )
     # On CPU the manager would size its KV cache from 90 % of *system* RAM
     # (psutil): give it what the workload needs instead (blocks of page_size
     # tokens, whole-model), with headroom.
@@ -51,9 +59,12 @@ def run_hf_cb(workload: Workload, model_dir: str, dtype: str = "bfloat16", progr
     manager.start()
     init_s = time.perf_counter() - t_init
 
-    records = {f"bench-{r.index}": RequestRecord(index=r.index, prompt_tokens=len(r.prompt_ids),
-                                                 max_new_tokens=r.max_new_tokens, arrival_s=r.arrival_s)
-               for r in workload.requests}
+    records = {
+        f"bench-{r.index}": RequestRecord(
+            index=r.index, prompt_tokens=len(r.prompt_ids), max_new_tokens=r.max_new_tokens, arrival_s=r.arrival_s
+        )
+        for r in workload.requests
+    }
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -61,8 +72,7 @@ def run_hf_cb(workload: Workload, model_dir: str, dtype: str = "bfloat16", progr
         bar = tqdm(total=len(records), desc=f"hf-cb {dtype}", unit="req", leave=False)
     try:
         # Warm-up request (excluded from the measurement).
-        manager.add_request(workload.requests[0].prompt_ids, request_id="warmup", max_new_tokens=2,
-                            eos_token_id=-1)
+        manager.add_request(workload.requests[0].prompt_ids, request_id="warmup", max_new_tokens=2, eos_token_id=-1)
         while True:
             res = manager.get_result(timeout=60)
             if res is None:
@@ -80,8 +90,13 @@ def run_hf_cb(workload: Workload, model_dir: str, dtype: str = "bfloat16", progr
                 r = pending[i]
                 rid = f"bench-{r.index}"
                 records[rid].send_s = time.perf_counter() - t0
-                manager.add_request(r.prompt_ids, request_id=rid, max_new_tokens=r.max_new_tokens,
-                                    record_timestamps=True, eos_token_id=-1)
+                manager.add_request(
+                    r.prompt_ids,
+                    request_id=rid,
+                    max_new_tokens=r.max_new_tokens,
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                )
                 i += 1
             wait = 0.5 if i >= len(pending) else max(0.0, min(0.5, pending[i].arrival_s - now))
             res = manager.get_result(timeout=wait) if wait > 0 else None
@@ -113,7 +128,14 @@ def run_hf_cb(workload: Workload, model_dir: str, dtype: str = "bfloat16", progr
             bar.close()
         manager.stop(block=True, timeout=10)
     recs = [records[f"bench-{r.index}"] for r in workload.requests]
-    return {"records": recs, "duration_s": duration,
-            "meta": {"load_s": load_s, "init_s": init_s, "torch_threads": torch.get_num_threads(),
-                     "attn_implementation": getattr(model.config, "_attn_implementation", None),
-                     "max_batch_tokens": max_batch_tokens}}
+    return {
+        "records": recs,
+        "duration_s": duration,
+        "meta": {
+            "load_s": load_s,
+            "init_s": init_s,
+            "torch_threads": torch.get_num_threads(),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "max_batch_tokens": max_batch_tokens,
+        },
+    }

@@ -35,8 +35,15 @@ class _StepClock:
         pass
 
 
-def run_hf_static(workload: Workload, model_dir: str, dtype: str = "bfloat16", batch_size: int = 16,
-                  progress: bool = True, num_threads: int | None = None, model=None) -> dict[str, Any]:
+def run_hf_static(
+    workload: Workload,
+    model_dir: str,
+    dtype: str = "bfloat16",
+    batch_size: int = 16,
+    progress: bool = True,
+    num_threads: int | None = None,
+    model=None,
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -50,8 +57,15 @@ def run_hf_static(workload: Workload, model_dir: str, dtype: str = "bfloat16", b
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     load_s = time.perf_counter() - t_load
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    gen_kw = dict(do_sample=False, pad_token_id=pad_id, eos_token_id=None, use_cache=True,
-                  temperature=None, top_p=None, top_k=None)
+    gen_kw = dict(
+        do_sample=False,
+        pad_token_id=pad_id,
+        eos_token_id=None,
+        use_cache=True,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     model.generation_config.eos_token_id = None  # EOS ignored
 
     def generate(batch, n, clock=None):
@@ -59,20 +73,24 @@ def run_hf_static(workload: Workload, model_dir: str, dtype: str = "bfloat16", b
         ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), L), dtype=torch.long)
         for i, r in enumerate(batch):
-            ids[i, L - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, L - len(r.prompt_ids):] = 1
+            ids[i, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, L - len(r.prompt_ids) :] = 1
         with torch.inference_mode():
-            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                  streamer=clock, **gen_kw)
+            return model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, streamer=clock, **gen_kw
+            )
 
     # Warm-up (excluded): one small batch.
     generate(workload.requests[: min(2, len(workload.requests))], 2)
 
     reqs = sorted(workload.requests, key=lambda r: (r.arrival_s, r.index))
-    batches = [reqs[i:i + batch_size] for i in range(0, len(reqs), batch_size)]
-    records = {r.index: RequestRecord(index=r.index, prompt_tokens=len(r.prompt_ids),
-                                      max_new_tokens=r.max_new_tokens, arrival_s=r.arrival_s)
-               for r in workload.requests}
+    batches = [reqs[i : i + batch_size] for i in range(0, len(reqs), batch_size)]
+    records = {
+        r.index: RequestRecord(
+            index=r.index, prompt_tokens=len(r.prompt_ids), max_new_tokens=r.max_new_tokens, arrival_s=r.arrival_s
+        )
+        for r in workload.requests
+    }
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -108,7 +126,14 @@ def run_hf_static(workload: Workload, model_dir: str, dtype: str = "bfloat16", b
     recs = [records[r.index] for r in workload.requests]
     useful = sum(r.max_new_tokens for r in workload.requests)
     slots = sum(len(b) * max(r.max_new_tokens for r in b) for b in batches)
-    return {"records": recs, "duration_s": duration,
-            "meta": {"batch_size": batch_size, "load_s": load_s, "num_batches": len(batches),
-                     "padding_waste": 1 - useful / slots if slots else math.nan,
-                     "torch_threads": torch.get_num_threads()}}
+    return {
+        "records": recs,
+        "duration_s": duration,
+        "meta": {
+            "batch_size": batch_size,
+            "load_s": load_s,
+            "num_batches": len(batches),
+            "padding_waste": 1 - useful / slots if slots else math.nan,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }

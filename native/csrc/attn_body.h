@@ -35,12 +35,10 @@ static inline int64_t cb_max(int64_t a, int64_t b) { return a > b ? a : b; }
 
 // S[r, c*W..] = sum_d Q[r, d] * Kt[d, c*W..] for an R x C register tile.
 template <int R, int C>
-static inline void score_tile(const float* __restrict Q, int64_t ldq, const float* __restrict Kt,
-                              int64_t ldk, float* __restrict S, int64_t lds, int64_t D) {
+static inline void score_tile(const float* __restrict Q, int64_t ldq, const float* __restrict Kt, int64_t ldk,
+                              float* __restrict S, int64_t lds, int64_t D) {
   typename V::R acc[R][C];
-  CB_UNROLL for (int r = 0; r < R; ++r) {
-    CB_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
-  }
+  CB_UNROLL for (int r = 0; r < R; ++r) { CB_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = V::zero(); }
   for (int64_t d = 0; d < D; ++d) {
     typename V::R k[C];
     CB_UNROLL for (int c = 0; c < C; ++c) k[c] = V::load(Kt + d * ldk + c * V::W);
@@ -56,8 +54,8 @@ static inline void score_tile(const float* __restrict Q, int64_t ldq, const floa
 
 // A[r, c*W..] += sum_{t < n} P[r, t] * Vb[t, c*W..] for an R x C register tile.
 template <int R, int C>
-static inline void pv_tile(const float* __restrict P, int64_t ldp, const float* __restrict Vb,
-                           int64_t ldv, float* __restrict A, int64_t lda, int64_t n) {
+static inline void pv_tile(const float* __restrict P, int64_t ldp, const float* __restrict Vb, int64_t ldv,
+                           float* __restrict A, int64_t lda, int64_t n) {
   typename V::R acc[R][C];
   CB_UNROLL for (int r = 0; r < R; ++r) {
     CB_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = V::load(A + r * lda + c * V::W);
@@ -76,48 +74,70 @@ static inline void pv_tile(const float* __restrict P, int64_t ldp, const float* 
 }
 
 template <int R>
-static inline void score_rows(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, float* S,
-                              int64_t lds, int64_t D, int64_t cvecs) {
+static inline void score_rows(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, float* S, int64_t lds,
+                              int64_t D, int64_t cvecs) {
   for (int64_t c0 = 0; c0 < cvecs; c0 += V::CT_S) {
     const float* k = Kt + c0 * V::W;
     float* s = S + c0 * V::W;
     switch (cb_min(V::CT_S, cvecs - c0)) {
       case 1: score_tile<R, 1>(Q, ldq, k, ldk, s, lds, D); break;
-      case 2: if constexpr (V::CT_S >= 2) score_tile<R, 2>(Q, ldq, k, ldk, s, lds, D); break;
-      case 3: if constexpr (V::CT_S >= 3) score_tile<R, 3>(Q, ldq, k, ldk, s, lds, D); break;
-      default: if constexpr (V::CT_S >= 4) score_tile<R, V::CT_S>(Q, ldq, k, ldk, s, lds, D); break;
+      case 2:
+        if constexpr (V::CT_S >= 2) score_tile<R, 2>(Q, ldq, k, ldk, s, lds, D);
+        break;
+      case 3:
+        if constexpr (V::CT_S >= 3) score_tile<R, 3>(Q, ldq, k, ldk, s, lds, D);
+        break;
+      default:
+        if constexpr (V::CT_S >= 4) score_tile<R, V::CT_S>(Q, ldq, k, ldk, s, lds, D);
+        break;
     }
   }
 }
 
-static inline void scores(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, float* S,
-                          int64_t lds, int64_t D, int64_t rows, int64_t cvecs) {
+static inline void scores(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, float* S, int64_t lds, int64_t D,
+                          int64_t rows, int64_t cvecs) {
   static_assert(V::RT_S >= 1 && V::RT_S <= 6, "row tile");
   for (int64_t r0 = 0; r0 < rows; r0 += V::RT_S) {
     const float* q = Q + r0 * ldq;
     float* s = S + r0 * lds;
     switch (cb_min(V::RT_S, rows - r0)) {
       case 1: score_rows<1>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
-      case 2: if constexpr (V::RT_S >= 2) score_rows<2>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
-      case 3: if constexpr (V::RT_S >= 3) score_rows<3>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
-      case 4: if constexpr (V::RT_S >= 4) score_rows<4>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
-      case 5: if constexpr (V::RT_S >= 5) score_rows<5>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
-      default: if constexpr (V::RT_S >= 6) score_rows<6>(q, ldq, Kt, ldk, s, lds, D, cvecs); break;
+      case 2:
+        if constexpr (V::RT_S >= 2) score_rows<2>(q, ldq, Kt, ldk, s, lds, D, cvecs);
+        break;
+      case 3:
+        if constexpr (V::RT_S >= 3) score_rows<3>(q, ldq, Kt, ldk, s, lds, D, cvecs);
+        break;
+      case 4:
+        if constexpr (V::RT_S >= 4) score_rows<4>(q, ldq, Kt, ldk, s, lds, D, cvecs);
+        break;
+      case 5:
+        if constexpr (V::RT_S >= 5) score_rows<5>(q, ldq, Kt, ldk, s, lds, D, cvecs);
+        break;
+      default:
+        if constexpr (V::RT_S >= 6) score_rows<6>(q, ldq, Kt, ldk, s, lds, D, cvecs);
+        break;
     }
   }
 }
 
 template <int R>
-static inline void pv_rows(const float* P, int64_t ldp, const float* Vb, int64_t ldv, float* A,
-                           int64_t lda, int64_t n, int64_t dvecs) {
+static inline void pv_rows(const float* P, int64_t ldp, const float* Vb, int64_t ldv, float* A, int64_t lda, int64_t n,
+                           int64_t dvecs) {
   for (int64_t c0 = 0; c0 < dvecs; c0 += V::CT_P) {
     const float* v = Vb + c0 * V::W;
     float* a = A + c0 * V::W;
     switch (cb_min(V::CT_P, dvecs - c0)) {
       case 1: pv_tile<R, 1>(P, ldp, v, ldv, a, lda, n); break;
-      case 2: if constexpr (V::CT_P >= 2) pv_tile<R, 2>(P, ldp, v, ldv, a, lda, n); break;
-      case 3: if constexpr (V::CT_P >= 3) pv_tile<R, 3>(P, ldp, v, ldv, a, lda, n); break;
-      default: if constexpr (V::CT_P >= 4) pv_tile<R, V::CT_P>(P, ldp, v, ldv, a, lda, n); break;
+      case 2:
+        if constexpr (V::CT_P >= 2) pv_tile<R, 2>(P, ldp, v, ldv, a, lda, n);
+        break;
+      case 3:
+        if constexpr (V::CT_P >= 3) pv_tile<R, 3>(P, ldp, v, ldv, a, lda, n);
+        break;
+      default:
+        if constexpr (V::CT_P >= 4) pv_tile<R, V::CT_P>(P, ldp, v, ldv, a, lda, n);
+        break;
     }
   }
 }
@@ -126,9 +146,8 @@ static inline void pv_rows(const float* P, int64_t ldp, const float* Vb, int64_t
 // non-decreasing in r; a row tile uses the count of its last row (P is zero
 // beyond each row's own count). Only columns [col0, col0 + seg_n) of P are
 // used, against the V rows Vb[0 .. seg_n).
-static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv, float* A,
-                      int64_t lda, const int32_t* nv, int64_t rows, int64_t dvecs, int64_t col0,
-                      int64_t seg_n) {
+static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv, float* A, int64_t lda,
+                      const int32_t* nv, int64_t rows, int64_t dvecs, int64_t col0, int64_t seg_n) {
   static_assert(V::RT_P >= 1 && V::RT_P <= 4, "row tile");
   for (int64_t r0 = 0; r0 < rows; r0 += V::RT_P) {
     const int64_t rr = cb_min(V::RT_P, rows - r0);
@@ -138,9 +157,15 @@ static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv,
     float* a = A + r0 * lda;
     switch (rr) {
       case 1: pv_rows<1>(p, ldp, Vb, ldv, a, lda, n, dvecs); break;
-      case 2: if constexpr (V::RT_P >= 2) pv_rows<2>(p, ldp, Vb, ldv, a, lda, n, dvecs); break;
-      case 3: if constexpr (V::RT_P >= 3) pv_rows<3>(p, ldp, Vb, ldv, a, lda, n, dvecs); break;
-      default: if constexpr (V::RT_P >= 4) pv_rows<4>(p, ldp, Vb, ldv, a, lda, n, dvecs); break;
+      case 2:
+        if constexpr (V::RT_P >= 2) pv_rows<2>(p, ldp, Vb, ldv, a, lda, n, dvecs);
+        break;
+      case 3:
+        if constexpr (V::RT_P >= 3) pv_rows<3>(p, ldp, Vb, ldv, a, lda, n, dvecs);
+        break;
+      default:
+        if constexpr (V::RT_P >= 4) pv_rows<4>(p, ldp, Vb, ldv, a, lda, n, dvecs);
+        break;
     }
   }
 }
@@ -157,9 +182,9 @@ static inline void pv(const float* P, int64_t ldp, const float* Vb, int64_t ldv,
 // `tmp` is [16, DP] fp32 staging whose [D, DP) columns are zero. `qbf16`
 // (AttnParams::bf16_decode_dots): the scaled query rows Q are exact in bf16,
 // so a kernel may take them as bf16 without rounding anything.
-static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, const char* base,
-                                     const int64_t* offs, int64_t n, int dtype, int64_t D, float* S,
-                                     int64_t lds, float* tmp, KvPrefetch& pf, bool qbf16) {
+static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
+                                     int64_t n, int dtype, int64_t D, float* S, int64_t lds, float* tmp, KvPrefetch& pf,
+                                     bool qbf16) {
   (void)qbf16;
   const int64_t es = cbserve_native::elem_size(dtype);
   const int64_t DP = round_up(D, kPad);
@@ -175,9 +200,8 @@ static inline void dec_scores_simple(const float* Q, int64_t ldq, int64_t M, con
   }
 }
 
-static inline void dec_pv_simple(const float* P, int64_t ldp, int64_t M, const char* base,
-                                 const int64_t* offs, int64_t n, int dtype, int64_t D, float* A,
-                                 int64_t lda, float* tmp, KvPrefetch& pf) {
+static inline void dec_pv_simple(const float* P, int64_t ldp, int64_t M, const char* base, const int64_t* offs,
+                                 int64_t n, int dtype, int64_t D, float* A, int64_t lda, float* tmp, KvPrefetch& pf) {
   const int64_t es = cbserve_native::elem_size(dtype);
   const int64_t DP = round_up(D, kPad);
   float* vr = tmp;
@@ -231,8 +255,8 @@ static inline int64_t row_offset(const AttnParams& p, const AttnItem& it, int64_
 
 // Loads the item's scaled fp32 query rows Qf [M, DP] (zero beyond D) and
 // resets the online-softmax state: Acc [M, DP] = 0, max = -inf, sum = 0.
-static inline void init_rows(const AttnParams& p, const AttnItem& it, float* Qf, float* Acc, float* mrow,
-                             float* lrow, int64_t DP) {
+static inline void init_rows(const AttnParams& p, const AttnItem& it, float* Qf, float* Acc, float* mrow, float* lrow,
+                             int64_t DP) {
   const int64_t D = p.head_dim, M = cbserve_native::item_rows(it, p.hq / p.hkv);
   const int64_t esize = cbserve_native::elem_size(p.dtype);
   const char* qbase = static_cast<const char*>(p.query);
@@ -249,8 +273,7 @@ static inline void init_rows(const AttnParams& p, const AttnItem& it, float* Qf,
 }
 
 // Normalises each accumulator row by its softmax sum and writes it to out.
-static inline void store_rows(const AttnParams& p, const AttnItem& it, float* Acc, const float* lrow,
-                              int64_t DP) {
+static inline void store_rows(const AttnParams& p, const AttnItem& it, float* Acc, const float* lrow, int64_t DP) {
   const int64_t D = p.head_dim, M = cbserve_native::item_rows(it, p.hq / p.hkv);
   const int64_t esize = cbserve_native::elem_size(p.dtype);
   char* obase = static_cast<char*>(p.out);
@@ -304,15 +327,15 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
   const int64_t DP = round_up(D, kPad);
   constexpr int64_t CH = cbserve_native::kDecodeChunk;
 
-  float* Qf = scratch;          // [M, DP]  scaled queries
-  float* Acc = Qf + M * DP;     // [M, DP]  un-normalised output
-  float* mrow = Acc + M * DP;   // [M]      running max
-  float* lrow = mrow + 16;      // [M]      running sum (M <= 16; keeps S 64-byte aligned)
-  float* S = lrow + 16;         // [M, CH]  scores, then probabilities of one chunk
-  float* tmp = S + M * CH;      // [16, DP] staging for the group kernels
+  float* Qf = scratch;         // [M, DP]  scaled queries
+  float* Acc = Qf + M * DP;    // [M, DP]  un-normalised output
+  float* mrow = Acc + M * DP;  // [M]      running max
+  float* lrow = mrow + 16;     // [M]      running sum (M <= 16; keeps S 64-byte aligned)
+  float* S = lrow + 16;        // [M, CH]  scores, then probabilities of one chunk
+  float* tmp = S + M * CH;     // [16, DP] staging for the group kernels
   // Token row offsets of this chunk and of the next one (being prefetched).
   int64_t* offs = reinterpret_cast<int64_t*>(tmp + 16 * DP);  // [CH]
-  int64_t* offs_next = offs + CH;                              // [CH]
+  int64_t* offs_next = offs + CH;                             // [CH]
   for (int64_t t = 0; t < 16; ++t)
     for (int64_t d = D; d < DP; ++d) tmp[t * DP + d] = 0.f;
 
@@ -360,8 +383,8 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
     for (int64_t g0 = 0; g0 < n; g0 += 16) {
       const int64_t gn = cb_min(16, n - g0);
       for (int64_t j = 0; j < nh; ++j)
-        CB_DEC_SCORES(Qf + j * Mh * DP, DP, Mh, kc + j * headb, offs + g0, gn, dtype, D,
-                      S + j * Mh * CH + g0, CH, tmp, pf, qbf16);
+        CB_DEC_SCORES(Qf + j * Mh * DP, DP, Mh, kc + j * headb, offs + g0, gn, dtype, D, S + j * Mh * CH + g0, CH, tmp,
+                      pf, qbf16);
     }
     // Exact softmax over the chunk, rescaling the running state once per chunk.
     const int64_t ncols = (n + V::W - 1) / V::W * V::W;
@@ -407,13 +430,13 @@ static bool attn_item_impl(const AttnParams& p, const AttnItem& it, const AttnIt
   const int64_t KT = cbserve_native::kv_tile(bs, M);
   const int64_t DP = round_up(D, kPad), NP = round_up(KT, kPad);
 
-  float* Qf = scratch;            // [M, DP]   scaled queries, fp32
-  float* Acc = Qf + M * DP;       // [M, DP]   un-normalised output
-  float* mrow = Acc + M * DP;     // [M]       running max
-  float* lrow = mrow + M;         // [M]       running sum
-  float* S = lrow + M;            // [M, NP]   scores, then probabilities
-  float* Kt = S + M * NP;         // [DP, NP]  K block, transposed, fp32
-  float* Vf = Kt + DP * NP;       // [NP, DP]  V block, fp32
+  float* Qf = scratch;                                     // [M, DP]   scaled queries, fp32
+  float* Acc = Qf + M * DP;                                // [M, DP]   un-normalised output
+  float* mrow = Acc + M * DP;                              // [M]       running max
+  float* lrow = mrow + M;                                  // [M]       running sum
+  float* S = lrow + M;                                     // [M, NP]   scores, then probabilities
+  float* Kt = S + M * NP;                                  // [DP, NP]  K block, transposed, fp32
+  float* Vf = Kt + DP * NP;                                // [NP, DP]  V block, fp32
   int32_t* nv = reinterpret_cast<int32_t*>(Vf + NP * DP);  // [M] visible tokens per row
 
   init_rows(p, it, Qf, Acc, mrow, lrow, DP);
@@ -474,8 +497,7 @@ static bool attn_item_impl(const AttnParams& p, const AttnItem& it, const AttnIt
       for (int64_t s0 = 0; s0 < n; s0 += bs) {
         const int64_t blk = table[(t0 + s0) / bs];
         const float* vb = reinterpret_cast<const float*>(vc) + (blk * bs * hkv + h) * D;
-        pv(S + r_start * NP, NP, vb, ld, Acc + r_start * DP, DP, nv + r_start, rows, dvecs, s0,
-           cb_min(bs, n - s0));
+        pv(S + r_start * NP, NP, vb, ld, Acc + r_start * DP, DP, nv + r_start, rows, dvecs, s0, cb_min(bs, n - s0));
       }
     } else {
       pv(S + r_start * NP, NP, Vf, DP, Acc + r_start * DP, DP, nv + r_start, rows, dvecs, 0, n);

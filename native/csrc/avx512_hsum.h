@@ -2,7 +2,7 @@
 // attention kernels (cpu_kernels_avx512.cpp), and the in-register 16 x 16
 // transpose, shared by the bf16 prefill attention (attn_amx.h, attn_dp.h) and
 // amx_q4_rows_linear
-// (fused/amx_q4_rows.cpp). x86-64 only; include after <immintrin.h>.
+// (linear/amx_q4_rows.cpp). x86-64 only; include after <immintrin.h>.
 //
 // The includer provides the ISA: either it compiles under an AVX-512
 // `#pragma GCC target` / `clang attribute push`, or it defines CB_HSUM_TARGET

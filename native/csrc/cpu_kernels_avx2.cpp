@@ -105,8 +105,7 @@ struct V {
     }
     for (; i < n; ++i) cb_store_scalar(dst, i, dtype, src[i]);
   }
-  static inline void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D, float* kt,
-                             int64_t ldkt) {
+  static inline void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D, float* kt, int64_t ldkt) {
     const int64_t es = cbserve_native::elem_size(dtype);
     alignas(32) float row[1024];
     for (int64_t d0 = 0; d0 < D; d0 += 1024) {
@@ -124,8 +123,7 @@ struct V {
 #include "attn_body.h"
 
 namespace cbserve_native {
-bool attn_item_avx2(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
-                     float* scratch) {
+bool attn_item_avx2(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched, float* scratch) {
   return attn_item_impl(p, it, next, prefetched, scratch);
 }
 }  // namespace cbserve_native

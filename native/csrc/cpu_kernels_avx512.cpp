@@ -8,7 +8,8 @@
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define CB_HAVE_AVX512_TU 1
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+                             apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -21,22 +22,17 @@
 
 namespace {
 
-static inline __mmask16 tail_mask(int64_t n) {
-  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
-}
+static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
 
 // 16 fp8 e5m2 bytes (each the upper byte of an fp16) as fp32: exact.
-static inline __m512 e5m2x16_to_ps(__m128i b) {
-  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
-}
+static inline __m512 e5m2x16_to_ps(__m128i b) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8)); }
 
 // Loads up to 16 elements (mask) of any storage dtype as fp32 (zeros elsewhere).
 static inline __m512 load16(const void* p, int dtype, __mmask16 m) {
   if (dtype == cbserve_native::kF32) return _mm512_maskz_loadu_ps(m, p);
   if (dtype == cbserve_native::kFP8E5M2) return e5m2x16_to_ps(_mm_maskz_loadu_epi8(m, p));
   const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  if (dtype == cbserve_native::kBF16)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  if (dtype == cbserve_native::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   return _mm512_cvtph_ps(h);
 }
 
@@ -106,8 +102,7 @@ struct V {
     }
   }
   // Kt[d, t] = K[t, d] (fp32), 16 tokens x 16 dims at a time.
-  static inline void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D, float* kt,
-                             int64_t ldkt) {
+  static inline void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D, float* kt, int64_t ldkt) {
     const int64_t es = cbserve_native::elem_size(dtype);
     const char* kb = static_cast<const char*>(k);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -278,17 +273,13 @@ static inline void dec_scores_rows2p(const float* qb, const char* base, const in
 // head_dim 64's 1/8): the products are then the fp32 path's, exact in fp32
 // (denormals aside, which vdpbf16ps flushes), and only the order of the fp32
 // additions differs. Per token and KV head of SmolLM2 (3 query rows) 6
-// vdpbf16ps replace 12 FMAs and the K row's widening: on a 2-core Zen 4 a
-// batch-64 decode call on 160 tokens of context 0.272 -> 0.226 ms with K/V in
-// cache, 0.387 -> 0.354 ms from memory (best of 300); a SmolLM2 decode step's
-// attention at batch 16 / 32 / 64 (context 200 / 300 / 300) 4.7 -> 3.6,
-// 12.1 -> 10.7, 24.5 -> 20.0 ms.
+// vdpbf16ps replace 12 FMAs and the K row's widening (docs/native.md).
 #define CB_DEC_DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")))
 
 template <int RS>
 CB_DEC_DP __attribute__((always_inline)) static inline void scores_token_dp(const __m512bh* qv, const char* k,
-                                                                            const __mmask32* m, __m512& s0,
-                                                                            __m512& s1, __m512& s2) {
+                                                                            const __mmask32* m, __m512& s0, __m512& s1,
+                                                                            __m512& s2) {
   const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi16(m[0], k);
   const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi16(m[1], k + 64);
   const __m512 z = _mm512_setzero_ps();
@@ -352,8 +343,8 @@ CB_DEC_DP static void dec_scores_dp(const float* Q, int64_t ldq, int64_t M, cons
 
 // Dispatch shim: NC = 16-lane chunks of D, NP = 32-element pairs.
 template <int NC, int DT>
-static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
-                         int64_t n, int64_t D, float* S, int64_t lds, KvPrefetch& pf, bool qbf16) {
+static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs, int64_t n,
+                         int64_t D, float* S, int64_t lds, KvPrefetch& pf, bool qbf16) {
   constexpr int NP = (NC + 1) / 2, NV = 2 * NP;
   __mmask32 m[NP];
   for (int pc = 0; pc < NP; ++pc) {
@@ -399,9 +390,8 @@ static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* bas
 // accumulators stay in registers; A (natural layout, D columns) is read and
 // written once.
 template <int NP, int DT, int RT>
-static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, const int64_t* offs,
-                               int64_t n, int64_t D, const __mmask32* m, float* A, int64_t lda,
-                               KvPrefetch& pf) {
+static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, const int64_t* offs, int64_t n, int64_t D,
+                               const __mmask32* m, float* A, int64_t lda, KvPrefetch& pf) {
   constexpr int64_t es = esz<DT>();
   constexpr int NV = 2 * NP;
   const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -503,8 +493,8 @@ static inline void dec_pv_rows2p(const float* P, int64_t ldp, const char* base, 
 }
 
 template <int NC, int DT>
-static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, const int64_t* offs,
-                     int64_t n, int64_t D, float* A, int64_t lda, KvPrefetch& pf) {
+static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, const int64_t* offs, int64_t n,
+                     int64_t D, float* A, int64_t lda, KvPrefetch& pf) {
   constexpr int NP = (NC + 1) / 2, NV = 2 * NP;
   // rt * NV accumulators + NV values + 1 broadcast <= 32 registers.
   constexpr int RT = (31 / NV - 1) < 4 ? (31 / NV - 1) : 4;
@@ -527,8 +517,7 @@ static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, c
     return;
   }
   int64_t r0 = 0;
-  for (; r0 + RT <= M; r0 += RT)
-    dec_pv_rows<NP, DT, RT>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda, pf);
+  for (; r0 + RT <= M; r0 += RT) dec_pv_rows<NP, DT, RT>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda, pf);
   // The remaining rows in one pass too (e.g. the 3 query heads of a GQA
   // group): one pass per row would convert each V row again and leave one
   // FMA chain per accumulator, latency-bound.
@@ -536,41 +525,47 @@ static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, c
   float* ar = A + r0 * lda;
   switch (M - r0) {
     case 1: dec_pv_rows<NP, DT, 1>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
-    case 2: if constexpr (RT > 2) dec_pv_rows<NP, DT, 2>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
-    case 3: if constexpr (RT > 3) dec_pv_rows<NP, DT, 3>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
+    case 2:
+      if constexpr (RT > 2) dec_pv_rows<NP, DT, 2>(pr, ldp, base, offs, n, D, m, ar, lda, pf);
+      break;
+    case 3:
+      if constexpr (RT > 3) dec_pv_rows<NP, DT, 3>(pr, ldp, base, offs, n, D, m, ar, lda, pf);
+      break;
     default: break;
   }
 }
 
-#define CB_DEC_DISPATCH(KERNEL, ...)                                                   \
-  do {                                                                                 \
-    const int64_t nc_ = (D + 15) / 16;                                                 \
-    switch (dtype * 16 + int(nc_)) {                                                   \
-      CB_DEC_CASES(KERNEL, 0, __VA_ARGS__)                                             \
-      CB_DEC_CASES(KERNEL, 1, __VA_ARGS__)                                             \
-      CB_DEC_CASES(KERNEL, 2, __VA_ARGS__)                                             \
-      CB_DEC_CASES(KERNEL, 3, __VA_ARGS__)                                             \
-      default: return false;                                                           \
-    }                                                                                  \
-    return true;                                                                       \
+#define CB_DEC_DISPATCH(KERNEL, ...)       \
+  do {                                     \
+    const int64_t nc_ = (D + 15) / 16;     \
+    switch (dtype * 16 + int(nc_)) {       \
+      CB_DEC_CASES(KERNEL, 0, __VA_ARGS__) \
+      CB_DEC_CASES(KERNEL, 1, __VA_ARGS__) \
+      CB_DEC_CASES(KERNEL, 2, __VA_ARGS__) \
+      CB_DEC_CASES(KERNEL, 3, __VA_ARGS__) \
+      default: return false;               \
+    }                                      \
+    return true;                           \
   } while (0)
 #define CB_DEC_CASE(KERNEL, DT, NC, ...) \
   case DT * 16 + NC: KERNEL<NC, DT>(__VA_ARGS__); break;
-#define CB_DEC_CASES(KERNEL, DT, ...)                                                   \
-  CB_DEC_CASE(KERNEL, DT, 1, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 2, __VA_ARGS__)     \
-  CB_DEC_CASE(KERNEL, DT, 3, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 4, __VA_ARGS__)     \
-  CB_DEC_CASE(KERNEL, DT, 5, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 6, __VA_ARGS__)     \
+// clang-format off: a list of case labels, one per group size (clang-format
+// cannot parse case labels inside a macro and reflows them differently each run).
+#define CB_DEC_CASES(KERNEL, DT, ...)                                               \
+  CB_DEC_CASE(KERNEL, DT, 1, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 2, __VA_ARGS__)   \
+  CB_DEC_CASE(KERNEL, DT, 3, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 4, __VA_ARGS__)   \
+  CB_DEC_CASE(KERNEL, DT, 5, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 6, __VA_ARGS__)   \
   CB_DEC_CASE(KERNEL, DT, 7, __VA_ARGS__) CB_DEC_CASE(KERNEL, DT, 8, __VA_ARGS__)
+// clang-format on
 
-static inline bool dec_scores_fast(const float* Q, int64_t ldq, int64_t M, const char* base,
-                                   const int64_t* offs, int64_t n, int dtype, int64_t D, float* S,
-                                   int64_t lds, float* tmp, KvPrefetch& pf, bool qbf16) {
+static inline bool dec_scores_fast(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
+                                   int64_t n, int dtype, int64_t D, float* S, int64_t lds, float* tmp, KvPrefetch& pf,
+                                   bool qbf16) {
   (void)tmp;
   CB_DEC_DISPATCH(dec_scores_k, Q, ldq, M, base, offs, n, D, S, lds, pf, qbf16);
 }
-static inline bool dec_pv_fast(const float* P, int64_t ldp, int64_t M, const char* base,
-                               const int64_t* offs, int64_t n, int dtype, int64_t D, float* A,
-                               int64_t lda, KvPrefetch& pf) {
+static inline bool dec_pv_fast(const float* P, int64_t ldp, int64_t M, const char* base, const int64_t* offs, int64_t n,
+                               int dtype, int64_t D, float* A, int64_t lda, KvPrefetch& pf) {
   CB_DEC_DISPATCH(dec_pv_k, P, ldp, M, base, offs, n, D, A, lda, pf);
 }
 #undef CB_DEC_DISPATCH
@@ -580,13 +575,13 @@ static inline bool dec_pv_fast(const float* P, int64_t ldp, int64_t M, const cha
 }  // namespace
 
 // head_dim <= 128 uses the AVX-512 group kernels, larger ones the portable ones.
-#define CB_DEC_SCORES(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp, pf, qbf16)      \
-  (dec_scores_fast(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp, pf, qbf16)         \
-       ? void()                                                                         \
+#define CB_DEC_SCORES(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp, pf, qbf16) \
+  (dec_scores_fast(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp, pf, qbf16)    \
+       ? void()                                                                   \
        : dec_scores_simple(Q, ldq, M, base, offs, n, dtype, D, S, lds, tmp, pf, qbf16))
-#define CB_DEC_PV(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp, pf)          \
-  (dec_pv_fast(P, ldp, M, base, offs, n, dtype, D, A, lda, pf)                  \
-       ? void()                                                                  \
+#define CB_DEC_PV(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp, pf) \
+  (dec_pv_fast(P, ldp, M, base, offs, n, dtype, D, A, lda, pf)         \
+       ? void()                                                        \
        : dec_pv_simple(P, ldp, M, base, offs, n, dtype, D, A, lda, tmp, pf))
 
 #include "attn_body.h"
@@ -597,11 +592,10 @@ namespace cbserve_native {
 // The AVX-512 kernels, with bf16 prefill items (more than kDecodeMaxRows
 // rows, head_dim 32 / 64 / 96 / 128; a bf16 or fp8 e5m2 cache) on AVX512-BF16
 // dot products where the CPU has them (attn_dp.h).
-bool attn_item_avx512(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
-                     float* scratch) {
+bool attn_item_avx512(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched, float* scratch) {
   static const bool dp = __builtin_cpu_supports("avx512bf16");
-  if (dp && p.dtype == kBF16 && (p.kv_dtype == kBF16 || p.kv_dtype == kFP8E5M2) &&
-      !is_decode_item(it, p.hq / p.hkv) && p.head_dim % 32 == 0) {
+  if (dp && p.dtype == kBF16 && (p.kv_dtype == kBF16 || p.kv_dtype == kFP8E5M2) && !is_decode_item(it, p.hq / p.hkv) &&
+      p.head_dim % 32 == 0) {
     const bool f8 = p.kv_dtype == kFP8E5M2;
     switch (p.head_dim / 32) {
       case 1: return f8 ? attn_prefill_dp<1, true>(p, it, scratch) : attn_prefill_dp<1, false>(p, it, scratch);
@@ -616,8 +610,7 @@ bool attn_item_avx512(const AttnParams& p, const AttnItem& it, const AttnItem* n
 
 // The AVX-512 kernels, with bf16 prefill items (more than kDecodeMaxRows
 // rows, head_dim 32 / 64 / 96 / 128; a bf16 or fp8 e5m2 cache) on AMX tiles.
-bool attn_item_amx(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
-                   float* scratch) {
+bool attn_item_amx(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched, float* scratch) {
   if (p.dtype == kBF16 && (p.kv_dtype == kBF16 || p.kv_dtype == kFP8E5M2) && !is_decode_item(it, p.hq / p.hkv) &&
       p.head_dim % 32 == 0) {
     const bool f8 = p.kv_dtype == kFP8E5M2;
@@ -648,8 +641,8 @@ void to_e5m2_avx512(const void* src, int32_t dtype, uint8_t* dst, int64_t n) {
         _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(int(0xc8000000u + 0xfffffu)), odd)), 21);
     // Below 2^-14: the fp32 adder rounds to the subnormal step.
     const __mmask16 small = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(113 << 23));
-    const __m512i sub = _mm512_sub_epi32(
-        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(magic))), magic);
+    const __m512i sub =
+        _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(magic))), magic);
     r = _mm512_mask_mov_epi32(r, small, sub);
     // |x| >= 65536: inf, NaN: 0x7f.
     const __mmask16 big = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(143 << 23));

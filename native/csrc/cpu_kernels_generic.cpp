@@ -30,8 +30,7 @@ struct V {
   static inline void from_f32(const float* src, int dtype, void* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) cb_store_scalar(dst, i, dtype, src[i]);
   }
-  static inline void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D, float* kt,
-                             int64_t ldkt) {
+  static inline void pack_kt(const void* k, int64_t ld, int dtype, int64_t n, int64_t D, float* kt, int64_t ldkt) {
     for (int64_t t = 0; t < n; ++t)
       for (int64_t d = 0; d < D; ++d) kt[d * ldkt + t] = cb_load_scalar(k, t * ld + d, dtype);
   }
@@ -42,8 +41,7 @@ struct V {
 #include "attn_body.h"
 
 namespace cbserve_native {
-bool attn_item_generic(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
-                     float* scratch) {
+bool attn_item_generic(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched, float* scratch) {
   return attn_item_impl(p, it, next, prefetched, scratch);
 }
 

@@ -19,8 +19,8 @@
 
 namespace {
 
-constexpr int kRows = 8;    // warps (rows) per block
-constexpr int kTile = 32;   // KV tokens per shared-memory tile
+constexpr int kRows = 8;   // warps (rows) per block
+constexpr int kTile = 32;  // KV tokens per shared-memory tile
 constexpr int kMaxDPerLane = CBSERVE_CUDA_MAX_HEAD_DIM / 32;
 
 __device__ __forceinline__ float to_f(float x) { return x; }
@@ -30,11 +30,17 @@ __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 template <typename T>
 __device__ __forceinline__ T from_f(float x);
 template <>
-__device__ __forceinline__ float from_f<float>(float x) { return x; }
+__device__ __forceinline__ float from_f<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 template <>
-__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_f<__half>(float x) {
+  return __float2half_rn(x);
+}
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -49,11 +55,10 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <typename T>
 __global__ void __launch_bounds__(kRows * 32)
-    paged_attention_kernel(T* __restrict__ out, const T* __restrict__ query,
-                           const T* __restrict__ key_cache, const T* __restrict__ value_cache,
-                           const int32_t* __restrict__ block_tables,
-                           const int32_t* __restrict__ cu_seqlens, const int32_t* __restrict__ seq_lens,
-                           int max_blocks, int hq, int hkv, int D, int bs, float scale) {
+    paged_attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ key_cache,
+                           const T* __restrict__ value_cache, const int32_t* __restrict__ block_tables,
+                           const int32_t* __restrict__ cu_seqlens, const int32_t* __restrict__ seq_lens, int max_blocks,
+                           int hq, int hkv, int D, int bs, float scale) {
   const int b = blockIdx.z, h = blockIdx.y;
   const int G = hq / hkv;
   const int q0 = cu_seqlens[b];
@@ -73,10 +78,10 @@ __global__ void __launch_bounds__(kRows * 32)
   const int kv_hi = ctx + last_row / G + 1;  // KV range any row of the block sees
 
   extern __shared__ float smem[];
-  const int ld = D + 1;  // padded: lane t reads row t of Ks without bank conflicts
-  float* Ks = smem;                 // [kTile][D+1]
-  float* Vs = Ks + kTile * ld;      // [kTile][D+1]
-  float* Qs = Vs + kTile * ld;      // [kRows][D]
+  const int ld = D + 1;         // padded: lane t reads row t of Ks without bank conflicts
+  float* Ks = smem;             // [kTile][D+1]
+  float* Vs = Ks + kTile * ld;  // [kTile][D+1]
+  float* Qs = Vs + kTile * ld;  // [kRows][D]
   float* q_row = Qs + warp * D;
 
   const size_t q_off = (size_t(q0 + i) * hq + size_t(h) * G + g) * D;
@@ -150,85 +155,68 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
 }
 
 template <typename T>
-int launch_attention(void* out, const void* q, const void* kc, const void* vc, const int32_t* bt,
-                     const int32_t* cu, const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq,
-                     int64_t hkv, int64_t D, int64_t bs, int64_t max_q_len, float scale,
-                     cudaStream_t stream) {
+int launch_attention(void* out, const void* q, const void* kc, const void* vc, const int32_t* bt, const int32_t* cu,
+                     const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq, int64_t hkv, int64_t D, int64_t bs,
+                     int64_t max_q_len, float scale, cudaStream_t stream) {
   if (B == 0 || max_q_len == 0) return 0;
-  if (D <= 0 || D > CBSERVE_CUDA_MAX_HEAD_DIM || hkv <= 0 || hq % hkv != 0 || B > 65535 ||
-      hkv > 65535)
+  if (D <= 0 || D > CBSERVE_CUDA_MAX_HEAD_DIM || hkv <= 0 || hq % hkv != 0 || B > 65535 || hkv > 65535)
     return int(cudaErrorInvalidValue);
   const int64_t G = hq / hkv;
   const int64_t tiles = (max_q_len * G + kRows - 1) / kRows;
   const size_t smem = (2 * size_t(kTile) * (D + 1) + size_t(kRows) * D) * sizeof(float);
-  cudaError_t err = cudaFuncSetAttribute(paged_attention_kernel<T>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  cudaError_t err =
+      cudaFuncSetAttribute(paged_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return int(err);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(hkv), static_cast<unsigned>(B));
   paged_attention_kernel<T><<<grid, kRows * 32, smem, stream>>>(
-      static_cast<T*>(out), static_cast<const T*>(q), static_cast<const T*>(kc),
-      static_cast<const T*>(vc), bt, cu, sl, int(max_blocks), int(hq), int(hkv), int(D), int(bs),
-      scale);
+      static_cast<T*>(out), static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), bt, cu, sl,
+      int(max_blocks), int(hq), int(hkv), int(D), int(bs), scale);
   return int(cudaGetLastError());
 }
 
 template <typename T>
-int launch_cache(const void* k, const void* v, void* kc, void* vc, const int64_t* slots, int64_t T_,
-                 int64_t row, cudaStream_t stream) {
+int launch_cache(const void* k, const void* v, void* kc, void* vc, const int64_t* slots, int64_t T_, int64_t row,
+                 cudaStream_t stream) {
   if (T_ == 0 || row == 0) return 0;
   const int threads = row >= 256 ? 256 : 128;
   reshape_and_cache_kernel<T><<<unsigned(T_), threads, 0, stream>>>(
-      static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(kc), static_cast<T*>(vc),
-      slots, row);
+      static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(kc), static_cast<T*>(vc), slots, row);
   return int(cudaGetLastError());
 }
 
 }  // namespace
 
-extern "C" int cbserve_paged_attention_cuda(int dtype, void* out, const void* query,
-                                            const void* key_cache, const void* value_cache,
-                                            const int32_t* block_tables, const int32_t* cu_seqlens_q,
-                                            const int32_t* seq_lens, int64_t num_seqs,
-                                            int64_t max_blocks, int64_t hq, int64_t hkv,
-                                            int64_t head_dim, int64_t block_size, int64_t max_q_len,
-                                            float scale, void* stream) {
+extern "C" int cbserve_paged_attention_cuda(int dtype, void* out, const void* query, const void* key_cache,
+                                            const void* value_cache, const int32_t* block_tables,
+                                            const int32_t* cu_seqlens_q, const int32_t* seq_lens, int64_t num_seqs,
+                                            int64_t max_blocks, int64_t hq, int64_t hkv, int64_t head_dim,
+                                            int64_t block_size, int64_t max_q_len, float scale, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case 0:
-      return launch_attention<float>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                                     seq_lens, num_seqs, max_blocks, hq, hkv, head_dim, block_size,
-                                     max_q_len, scale, s);
+      return launch_attention<float>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, num_seqs,
+                                     max_blocks, hq, hkv, head_dim, block_size, max_q_len, scale, s);
     case 1:
-      return launch_attention<__nv_bfloat16>(out, query, key_cache, value_cache, block_tables,
-                                             cu_seqlens_q, seq_lens, num_seqs, max_blocks, hq, hkv,
-                                             head_dim, block_size, max_q_len, scale, s);
+      return launch_attention<__nv_bfloat16>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                             num_seqs, max_blocks, hq, hkv, head_dim, block_size, max_q_len, scale, s);
     case 2:
-      return launch_attention<__half>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                                      seq_lens, num_seqs, max_blocks, hq, hkv, head_dim, block_size,
-                                      max_q_len, scale, s);
-    default:
-      return int(cudaErrorInvalidValue);
+      return launch_attention<__half>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                      num_seqs, max_blocks, hq, hkv, head_dim, block_size, max_q_len, scale, s);
+    default: return int(cudaErrorInvalidValue);
   }
 }
 
-extern "C" int cbserve_reshape_and_cache_cuda(int dtype, const void* key, const void* value,
-                                              void* key_cache, void* value_cache,
-                                              const int64_t* slot_mapping, int64_t num_tokens,
+extern "C" int cbserve_reshape_and_cache_cuda(int dtype, const void* key, const void* value, void* key_cache,
+                                              void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
                                               int64_t row_elems, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
-    case 0:
-      return launch_cache<float>(key, value, key_cache, value_cache, slot_mapping, num_tokens, row_elems, s);
+    case 0: return launch_cache<float>(key, value, key_cache, value_cache, slot_mapping, num_tokens, row_elems, s);
     case 1:
-      return launch_cache<__nv_bfloat16>(key, value, key_cache, value_cache, slot_mapping, num_tokens,
-                                         row_elems, s);
-    case 2:
-      return launch_cache<__half>(key, value, key_cache, value_cache, slot_mapping, num_tokens, row_elems, s);
-    default:
-      return int(cudaErrorInvalidValue);
+      return launch_cache<__nv_bfloat16>(key, value, key_cache, value_cache, slot_mapping, num_tokens, row_elems, s);
+    case 2: return launch_cache<__half>(key, value, key_cache, value_cache, slot_mapping, num_tokens, row_elems, s);
+    default: return int(cudaErrorInvalidValue);
   }
 }
 
-extern "C" const char* cbserve_cuda_error_string(int err) {
-  return cudaGetErrorString(static_cast<cudaError_t>(err));
-}
+extern "C" const char* cbserve_cuda_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

@@ -58,8 +58,8 @@ static inline uint16_t cb_f32_to_f16(float f) {
   const uint32_t au = u & 0x7fffffffu;
   if (au > 0x7f800000u) return uint16_t(sign | 0x7e00u);
   if (au >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520 -> inf
-  if (au < 0x38800000u) {  // below the smallest normal half: subnormal or zero
-    if (au < 0x33000000u) return uint16_t(sign);  // < 2^-25 rounds to 0
+  if (au < 0x38800000u) {                                  // below the smallest normal half: subnormal or zero
+    if (au < 0x33000000u) return uint16_t(sign);           // < 2^-25 rounds to 0
     const uint32_t e = au >> 23;
     const uint32_t m = (au & 0x7fffffu) | 0x800000u;
     const uint32_t shift = 126 - e;  // 14..24
@@ -86,7 +86,7 @@ static inline uint8_t cb_f32_to_e5m2(float f) {
   uint8_t r;
   if (u >= (143u << 23)) {  // |f| >= 65536 (or inf / NaN)
     r = u > 0x7f800000u ? 0x7f : 0x7c;
-  } else if (u < (113u << 23)) {  // below the smallest normal (2^-14): the fp32 adder rounds
+  } else if (u < (113u << 23)) {        // below the smallest normal (2^-14): the fp32 adder rounds
     const uint32_t magic = 134u << 23;  // 2^7: one e5m2 subnormal step is its last mantissa bit
     r = uint8_t(cb_f32_to_bits(cb_bits_to_f32(u) + cb_bits_to_f32(magic)) - magic);
   } else {

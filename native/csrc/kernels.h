@@ -20,10 +20,10 @@ inline int64_t elem_size(int32_t dtype) { return dtype == kF32 ? 4 : dtype == kF
 constexpr int kPad = 16;
 
 struct AttnParams {
-  void* out;                  // [T, Hq, D]
-  const void* query;          // [T, Hq, D]
-  const void* key_cache;      // [num_blocks, block_size, Hkv, D]
-  const void* value_cache;    // [num_blocks, block_size, Hkv, D]
+  void* out;                    // [T, Hq, D]
+  const void* query;            // [T, Hq, D]
+  const void* key_cache;        // [num_blocks, block_size, Hkv, D]
+  const void* value_cache;      // [num_blocks, block_size, Hkv, D]
   const int32_t* block_tables;  // [B, max_blocks]
   const int32_t* cu_seqlens;    // [B + 1]
   const int32_t* seq_lens;      // [B]
@@ -39,7 +39,7 @@ struct AttnParams {
   // Decode scores may take the scaled query rows as bf16 (vdpbf16ps over
   // the bf16 K rows): set for the avx512 ISA on an AVX512-BF16 CPU with
   // bf16 query and cache and a power-of-two scale (the scaled rows are then
-  // exact in bf16). Not on AMX CPUs, where it measured no faster.
+  // exact in bf16). Not on AMX CPUs, where it was no faster.
   bool bf16_decode_dots;
 };
 
@@ -68,21 +68,18 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // per-row softmax bookkeeping is amortised over several blocks.
 inline int64_t kv_tile(int64_t block_size, int64_t rows) {
   const int64_t min_tokens = rows < 16 ? 64 : 128;
-  return block_size >= min_tokens ? block_size
-                                  : block_size * ((min_tokens + block_size - 1) / block_size);
+  return block_size >= min_tokens ? block_size : block_size * ((min_tokens + block_size - 1) / block_size);
 }
 
 // Decode path (attn_body.h, attn_decode_impl): items with at most
 // kDecodeMaxRows rows (tokens x group heads, e.g. q_len 1-2) skip the tiled
 // micro-GEMM path; they stream K/V straight from the cache, 16 tokens at a
 // time, and keep an exact softmax over chunks of kDecodeChunk tokens (online
-// rescaling only between chunks). 32 rather than 16: the per-chunk softmax
-// (horizontal reductions, rescaling) is paid half as often, and the next
-// chunk's prefetch runs further ahead (SmolLM2 batch-64 decode attention over
-// 152 tokens, 30 layers: 11.1 -> 10.9 ms bf16, 9.95 -> 8.85 ms fp8 cache;
-// 64: 11.8 / 9.4 ms). A two-pass variant (all scores, one softmax, then P.V)
-// was slower: 12.1-14.7 ms bf16, its single K-then-V prefetch stream does
-// not keep as many lines in flight.
+// rescaling only between chunks). 32 rather than 16 or 64: the per-chunk
+// softmax (horizontal reductions, rescaling) is paid half as often, and the
+// next chunk's prefetch runs further ahead. A two-pass variant (all scores,
+// one softmax, then P.V) was slower: its single K-then-V prefetch stream does
+// not keep as many lines in flight (docs/native.md).
 constexpr int64_t kDecodeMaxRows = 16;
 constexpr int64_t kDecodeChunk = 32;  // multiple of 16
 
@@ -93,8 +90,8 @@ inline int64_t decode_scratch_floats(int64_t head_dim) {
   const int64_t dp = round_up(head_dim, kPad);
   // Q, Acc [rows, dp]; max, sum [rows]; S [rows, chunk]; K/V staging [16, dp];
   // int64 row offsets [2, chunk].
-  return 2 * kDecodeMaxRows * dp + 2 * kDecodeMaxRows + kDecodeMaxRows * kDecodeChunk + 16 * dp +
-         4 * kDecodeChunk + 4 * kPad;
+  return 2 * kDecodeMaxRows * dp + 2 * kDecodeMaxRows + kDecodeMaxRows * kDecodeChunk + 16 * dp + 4 * kDecodeChunk +
+         4 * kPad;
 }
 
 // Floats of scratch memory an item with at most `max_rows` (tokens x group)
@@ -107,8 +104,8 @@ inline int64_t attn_scratch_floats(int64_t max_rows, int64_t head_dim, int64_t b
   // The AMX path (attn_amx.h): Acc [M, D], max/sum, S [Mpad, NP] fp32; Q, P
   // [Mpad, D / NP] and the K/V tiles [NP, D] bf16; one fp32 tile; KT row pointers.
   const int64_t mp = round_up(max_rows, 16), np32 = round_up(kt, 32);
-  const int64_t amx = max_rows * dp + 2 * mp + mp * np32 + mp * dp / 2 + mp * np32 / 2 + np32 * dp + 256 +
-                      2 * kt + 4 * kPad;
+  const int64_t amx =
+      max_rows * dp + 2 * mp + mp * np32 + mp * dp / 2 + mp * np32 / 2 + np32 * dp + 256 + 2 * kt + 4 * kPad;
   const int64_t dec = decode_scratch_floats(head_dim);
   const int64_t big = tiled > amx ? tiled : amx;
   return big > dec ? big : dec;

@@ -38,16 +38,16 @@ std::string cat(const Args&... args) {
   (ss << ... << args);
   return ss.str();
 }
-#define CB_VALUE(cond, ...) \
-  do {                      \
+#define CB_VALUE(cond, ...)                               \
+  do {                                                    \
     if (!(cond)) throw py::value_error(cat(__VA_ARGS__)); \
   } while (0)
-#define CB_TYPE(cond, ...) \
-  do {                     \
+#define CB_TYPE(cond, ...)                               \
+  do {                                                   \
     if (!(cond)) throw py::type_error(cat(__VA_ARGS__)); \
   } while (0)
-#define CB_INDEX(cond, ...) \
-  do {                      \
+#define CB_INDEX(cond, ...)                               \
+  do {                                                    \
     if (!(cond)) throw py::index_error(cat(__VA_ARGS__)); \
   } while (0)
 
@@ -100,8 +100,7 @@ bool isa_supported(const std::string& isa) {
   if (isa == "generic") return true;
   if (isa == "avx2") return have_avx2_kernels() && f.avx2 && f.fma && f.f16c;
   if (isa == "avx512")
-    return have_avx512_kernels() && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.fma &&
-           f.f16c && f.avx2;
+    return have_avx512_kernels() && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.fma && f.f16c && f.avx2;
   if (isa == "amx") return isa_supported("avx512") && f.amx_bf16;
   return false;
 }
@@ -129,8 +128,8 @@ AttnItemFn item_fn() {
 }
 
 void set_isa(const std::string& isa) {
-  CB_VALUE(isa == "generic" || isa == "avx2" || isa == "avx512" || isa == "amx",
-           "unknown ISA '", isa, "' (expected generic, avx2, avx512 or amx)");
+  CB_VALUE(isa == "generic" || isa == "avx2" || isa == "avx512" || isa == "amx", "unknown ISA '", isa,
+           "' (expected generic, avx2, avx512 or amx)");
   CB_VALUE(isa_supported(isa), "ISA '", isa, "' is not supported by this CPU/build");
   current_isa() = isa;
 }
@@ -149,8 +148,8 @@ py::dict cpu_features() {
   d["avx512dq"] = f.avx512dq;
   d["avx512_bf16"] = f.avx512bf16;
   d["amx_bf16"] = f.amx_bf16;
-  d["supported"] = py::make_tuple(isa_supported("generic"), isa_supported("avx2"), isa_supported("avx512"),
-                                  isa_supported("amx"));
+  d["supported"] =
+      py::make_tuple(isa_supported("generic"), isa_supported("avx2"), isa_supported("avx512"), isa_supported("amx"));
   return d;
 }
 
@@ -202,8 +201,8 @@ void check_cache_dtype(const at::Tensor& key_cache, const at::Tensor& value_cach
   CB_TYPE(value_cache.scalar_type() == key_cache.scalar_type(), "key_cache and value_cache must share one dtype, got ",
           key_cache.scalar_type(), " and ", value_cache.scalar_type());
   const bool fp8 = key_cache.scalar_type() == at::kFloat8_e5m2;
-  CB_TYPE(fp8 || key_cache.scalar_type() == act.scalar_type(), "key_cache must have the dtype of ", act_names,
-          " (", act.scalar_type(), ") or be float8_e5m2, got ", key_cache.scalar_type());
+  CB_TYPE(fp8 || key_cache.scalar_type() == act.scalar_type(), "key_cache must have the dtype of ", act_names, " (",
+          act.scalar_type(), ") or be float8_e5m2, got ", key_cache.scalar_type());
   CB_TYPE(!fp8 || !key_cache.is_cuda(), "a float8_e5m2 KV cache is supported on the CPU only");
 }
 
@@ -222,14 +221,13 @@ void check_same_device(const std::vector<std::pair<const at::Tensor*, const char
   const at::Device dev = ts[0].first->device();
   CB_VALUE(dev.is_cpu() || dev.is_cuda(), ts[0].second, " is on unsupported device ", dev.str());
   for (const auto& [t, name] : ts) {
-    CB_VALUE(t->device() == dev, "all tensors must be on the same device: ", ts[0].second, " is on ",
-             dev.str(), " but ", name, " is on ", t->device().str());
+    CB_VALUE(t->device() == dev, "all tensors must be on the same device: ", ts[0].second, " is on ", dev.str(),
+             " but ", name, " is on ", t->device().str());
   }
 }
 
 void check_float_dtype(const at::Tensor& t, const char* name) {
-  CB_TYPE(dtype_code(t.scalar_type()) >= 0, name, " must be float32, bfloat16 or float16, got ",
-          t.scalar_type());
+  CB_TYPE(dtype_code(t.scalar_type()) >= 0, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
 }
 
 void check_int_dtype(const at::Tensor& t, const char* name, at::ScalarType want) {
@@ -237,32 +235,32 @@ void check_int_dtype(const at::Tensor& t, const char* name, at::ScalarType want)
 }
 
 // --------------------------------------------------------- reshape_and_cache ---
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping) {
   check_tensor(key, "key", 3);
   check_tensor(value, "value", 3);
   check_tensor(key_cache, "key_cache", 4);
   check_tensor(value_cache, "value_cache", 4);
   check_tensor(slot_mapping, "slot_mapping", 1);
-  check_same_device({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"},
-                     {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}});
+  check_same_device({{&key, "key"},
+                     {&value, "value"},
+                     {&key_cache, "key_cache"},
+                     {&value_cache, "value_cache"},
+                     {&slot_mapping, "slot_mapping"}});
   check_float_dtype(key, "key");
   CB_TYPE(value.scalar_type() == key.scalar_type(), "key and value must share one dtype, got ", key.scalar_type(),
           " and ", value.scalar_type());
   check_cache_dtype(key_cache, value_cache, key, "key and value");
   check_int_dtype(slot_mapping, "slot_mapping", at::kLong);
-  CB_VALUE(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ: ",
-           shape_str(key_cache), " vs ", shape_str(value_cache));
-  CB_VALUE(key.sizes() == value.sizes(), "key and value shapes differ: ", shape_str(key), " vs ",
-           shape_str(value));
+  CB_VALUE(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ: ", shape_str(key_cache),
+           " vs ", shape_str(value_cache));
+  CB_VALUE(key.sizes() == value.sizes(), "key and value shapes differ: ", shape_str(key), " vs ", shape_str(value));
   const int64_t T = key.size(0), hkv = key.size(1), D = key.size(2);
   const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1);
   CB_VALUE(key_cache.size(2) == hkv && key_cache.size(3) == D, "key shape ", shape_str(key),
            " does not match the cache's [num_blocks, block_size, Hkv, D] = ", shape_str(key_cache));
-  CB_VALUE(slot_mapping.size(0) == T, "slot_mapping must have T=", T, " entries, got ",
-           slot_mapping.size(0));
-  CB_VALUE(key_cache.numel() == 0 ||
-               at::get_overlap_status(key_cache, value_cache) == at::MemOverlapStatus::No,
+  CB_VALUE(slot_mapping.size(0) == T, "slot_mapping must have T=", T, " entries, got ", slot_mapping.size(0));
+  CB_VALUE(key_cache.numel() == 0 || at::get_overlap_status(key_cache, value_cache) == at::MemOverlapStatus::No,
            "key_cache and value_cache must not overlap (different tensors)");
   if (T == 0 || hkv * D == 0) return;
   const int64_t num_slots = num_blocks * bs;
@@ -272,13 +270,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     const at::Tensor slots_cpu = host_copy(kSlots, slot_mapping);
     const int64_t* s = slots_cpu.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t)
-      CB_INDEX(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range for a cache of ",
-               num_blocks, " blocks x ", bs, " slots");
+      CB_INDEX(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range for a cache of ", num_blocks,
+               " blocks x ", bs, " slots");
     const c10::cuda::CUDAGuard guard(key.device());
     const int err = cbserve_reshape_and_cache_cuda(
-        dtype_code(key.scalar_type()), key.data_ptr(), value.data_ptr(), key_cache.data_ptr(),
-        value_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(), T, hkv * D,
-        c10::cuda::getCurrentCUDAStream().stream());
+        dtype_code(key.scalar_type()), key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        slot_mapping.data_ptr<int64_t>(), T, hkv * D, c10::cuda::getCurrentCUDAStream().stream());
     CB_VALUE(err == 0, "reshape_and_cache CUDA launch failed: ", cbserve_cuda_error_string(err));
     return;
 #else
@@ -288,8 +285,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
   const int64_t* s = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
-    CB_INDEX(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range for a cache of ",
-             num_blocks, " blocks x ", bs, " slots");
+    CB_INDEX(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range for a cache of ", num_blocks,
+             " blocks x ", bs, " slots");
   const int64_t row_bytes = hkv * D * key.element_size();
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
@@ -309,28 +306,25 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     });
     return;
   }
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_bytes)),
-                   [&](int64_t b, int64_t e) {
-                     for (int64_t t = b; t < e; ++t) {
-                       if (s[t] < 0) continue;
-                       std::memcpy(kc + s[t] * row_bytes, k + t * row_bytes, row_bytes);
-                       std::memcpy(vc + s[t] * row_bytes, v + t * row_bytes, row_bytes);
-                     }
-                   });
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_bytes)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (s[t] < 0) continue;
+      std::memcpy(kc + s[t] * row_bytes, k + t * row_bytes, row_bytes);
+      std::memcpy(vc + s[t] * row_bytes, v + t * row_bytes, row_bytes);
+    }
+  });
 }
 
 // ------------------------------------------------------------ paged_attention ---
 constexpr int64_t kTargetRows = 192;  // query rows (tokens x group heads) per work item
 // Whole-row decode items (all KV heads) once there are this many sequences per
-// thread. One is enough: even unevenly spread, whole rows beat per-head items
-// (SmolLM2 decode on 550 tokens of context, attention per step: 2 sequences
-// 2.06 -> 1.51 ms, 3: 3.03 -> 2.74, 5: 4.91 -> 3.86-4.11, 7: 7.12 -> 5.14;
-// with 4 per thread, as before, the per-head items' strided reads ran up to 8).
+// thread. One is enough: even unevenly spread, whole rows beat per-head
+// items, whose strided reads cost more than the imbalance (docs/native.md).
 constexpr int64_t kWholeRowSeqsPerThread = 1;
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale) {
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                     const at::Tensor& seq_lens, double scale) {
   check_tensor(out, "out", 3);
   check_tensor(query, "query", 3);
   check_tensor(key_cache, "key_cache", 4);
@@ -338,9 +332,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   check_tensor(block_tables, "block_tables", 2);
   check_tensor(cu_seqlens_q, "cu_seqlens_q", 1);
   check_tensor(seq_lens, "seq_lens", 1);
-  check_same_device({{&query, "query"}, {&out, "out"}, {&key_cache, "key_cache"},
-                     {&value_cache, "value_cache"}, {&block_tables, "block_tables"},
-                     {&cu_seqlens_q, "cu_seqlens_q"}, {&seq_lens, "seq_lens"}});
+  check_same_device({{&query, "query"},
+                     {&out, "out"},
+                     {&key_cache, "key_cache"},
+                     {&value_cache, "value_cache"},
+                     {&block_tables, "block_tables"},
+                     {&cu_seqlens_q, "cu_seqlens_q"},
+                     {&seq_lens, "seq_lens"}});
   check_float_dtype(query, "query");
   CB_TYPE(out.scalar_type() == query.scalar_type(), "query and out must share one dtype, got ", query.scalar_type(),
           " and ", out.scalar_type());
@@ -348,28 +346,25 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   check_int_dtype(block_tables, "block_tables", at::kInt);
   check_int_dtype(cu_seqlens_q, "cu_seqlens_q", at::kInt);
   check_int_dtype(seq_lens, "seq_lens", at::kInt);
-  CB_VALUE(out.sizes() == query.sizes(), "out shape ", shape_str(out), " must equal query shape ",
-           shape_str(query));
-  CB_VALUE(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ: ",
-           shape_str(key_cache), " vs ", shape_str(value_cache));
+  CB_VALUE(out.sizes() == query.sizes(), "out shape ", shape_str(out), " must equal query shape ", shape_str(query));
+  CB_VALUE(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ: ", shape_str(key_cache),
+           " vs ", shape_str(value_cache));
   const int64_t T = query.size(0), hq = query.size(1), D = query.size(2);
   const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1), hkv = key_cache.size(2);
-  CB_VALUE(key_cache.size(3) == D, "head_dim mismatch: query has D=", D, ", key_cache has D=",
-           key_cache.size(3));
+  CB_VALUE(key_cache.size(3) == D, "head_dim mismatch: query has D=", D, ", key_cache has D=", key_cache.size(3));
   CB_VALUE(D > 0, "head_dim must be positive");
   CB_VALUE(bs > 0, "block_size must be positive");
   CB_VALUE(hkv > 0 && hq > 0, "head counts must be positive (Hq=", hq, ", Hkv=", hkv, ")");
   CB_VALUE(hq % hkv == 0, "Hq=", hq, " must be a multiple of Hkv=", hkv, " (GQA)");
   const int64_t B = seq_lens.size(0);
-  CB_VALUE(cu_seqlens_q.size(0) == B + 1, "cu_seqlens_q must have B+1=", B + 1,
-           " entries (B = len(seq_lens)), got ", cu_seqlens_q.size(0));
-  CB_VALUE(block_tables.size(0) == B, "block_tables must have B=", B, " rows, got ",
-           block_tables.size(0));
+  CB_VALUE(cu_seqlens_q.size(0) == B + 1, "cu_seqlens_q must have B+1=", B + 1, " entries (B = len(seq_lens)), got ",
+           cu_seqlens_q.size(0));
+  CB_VALUE(block_tables.size(0) == B, "block_tables must have B=", B, " rows, got ", block_tables.size(0));
   CB_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&query, "query"},
-                                {&key_cache, "key_cache"}, {&value_cache, "value_cache"}}) {
-    CB_VALUE(out.numel() == 0 || t->numel() == 0 ||
-                 at::get_overlap_status(out, *t) == at::MemOverlapStatus::No,
+                                {&key_cache, "key_cache"},
+                                {&value_cache, "value_cache"}}) {
+    CB_VALUE(out.numel() == 0 || t->numel() == 0 || at::get_overlap_status(out, *t) == at::MemOverlapStatus::No,
              "out must not overlap ", name);
   }
   const int64_t max_blocks = block_tables.size(1);
@@ -385,20 +380,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   CB_VALUE(cu[0] == 0, "cu_seqlens_q[0] must be 0, got ", cu[0]);
   int64_t max_q_len = 0;
   for (int64_t b = 0; b < B; ++b) {
-    CB_VALUE(cu[b + 1] >= cu[b], "cu_seqlens_q must be non-decreasing: cu_seqlens_q[", b + 1,
-             "] = ", cu[b + 1], " < cu_seqlens_q[", b, "] = ", cu[b]);
+    CB_VALUE(cu[b + 1] >= cu[b], "cu_seqlens_q must be non-decreasing: cu_seqlens_q[", b + 1, "] = ", cu[b + 1],
+             " < cu_seqlens_q[", b, "] = ", cu[b]);
     const int64_t q_len = cu[b + 1] - cu[b];
     max_q_len = std::max(max_q_len, q_len);
-    CB_VALUE(sl[b] >= q_len, "seq_lens[", b, "] = ", sl[b], " is smaller than the sequence's query length ",
-             q_len);
+    CB_VALUE(sl[b] >= q_len, "seq_lens[", b, "] = ", sl[b], " is smaller than the sequence's query length ", q_len);
     if (q_len == 0) continue;
     const int64_t nblk = (int64_t(sl[b]) + bs - 1) / bs;
     CB_INDEX(nblk <= max_blocks, "sequence ", b, " needs ", nblk, " blocks for seq_lens=", sl[b],
              " but block_tables has only ", max_blocks, " columns");
     for (int64_t j = 0; j < nblk; ++j) {
       const int32_t id = bt[b * max_blocks + j];
-      CB_INDEX(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id,
-               " is out of range [0, ", num_blocks, ")");
+      CB_INDEX(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id, " is out of range [0, ", num_blocks,
+               ")");
     }
   }
   CB_VALUE(cu[B] == T, "cu_seqlens_q[-1] = ", cu[B], " must equal the number of query tokens T=", T);
@@ -407,14 +401,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 
   if (cuda) {
 #ifdef CBSERVE_WITH_CUDA
-    CB_VALUE(D <= CBSERVE_CUDA_MAX_HEAD_DIM, "CUDA paged_attention supports head_dim <= ",
-             CBSERVE_CUDA_MAX_HEAD_DIM, ", got ", D);
+    CB_VALUE(D <= CBSERVE_CUDA_MAX_HEAD_DIM, "CUDA paged_attention supports head_dim <= ", CBSERVE_CUDA_MAX_HEAD_DIM,
+             ", got ", D);
     const c10::cuda::CUDAGuard guard(query.device());
     const int err = cbserve_paged_attention_cuda(
-        dtype_code(query.scalar_type()), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
-        value_cache.data_ptr(), block_tables.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(),
-        seq_lens.data_ptr<int32_t>(), B, max_blocks, hq, hkv, D, bs, max_q_len,
-        static_cast<float>(scale), c10::cuda::getCurrentCUDAStream().stream());
+        dtype_code(query.scalar_type()), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), B, max_blocks,
+        hq, hkv, D, bs, max_q_len, static_cast<float>(scale), c10::cuda::getCurrentCUDAStream().stream());
     CB_VALUE(err == 0, "paged_attention CUDA launch failed: ", cbserve_cuda_error_string(err));
     return;
 #else
@@ -465,8 +458,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.dtype = dtype_code(query.scalar_type());
   p.kv_dtype = kv_dtype_code(key_cache);
   int scale_exp;
-  p.bf16_decode_dots = current_isa() == "avx512" && features().avx512bf16 && p.dtype == kBF16 &&
-                       p.kv_dtype == kBF16 && std::frexp(p.scale, &scale_exp) == 0.5f;
+  p.bf16_decode_dots = current_isa() == "avx512" && features().avx512bf16 && p.dtype == kBF16 && p.kv_dtype == kBF16 &&
+                       std::frexp(p.scale, &scale_exp) == 0.5f;
 
   const AttnItemFn fn = item_fn();
   // Scratch for the largest item present (a decode-only batch needs ~14 KB
@@ -480,7 +473,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   py::gil_scoped_release nogil;
   at::parallel_for(0, n_workers, 1, [&](int64_t wb, int64_t we) {
     // Kept per thread across calls: allocating (and zeroing) it per call cost
-    // ~20 us a call, as much as a whole batch-1 decode item.
+    // as much as a whole batch-1 decode item.
     thread_local std::vector<float> scratch;
     if (scratch.size() < size_t(scratch_floats) + 16) scratch.resize(size_t(scratch_floats) + 16);
     float* sp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
@@ -513,11 +506,11 @@ bool has_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cbserve native paged-KV-cache kernels (CPU, and CUDA when built with it)";
-  m.def("reshape_and_cache", &reshape_and_cache, py::arg("key"), py::arg("value"),
-        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+  m.def("reshape_and_cache", &reshape_and_cache, py::arg("key"), py::arg("value"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("slot_mapping"));
   m.def("paged_attention", &paged_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("block_tables"), py::arg("cu_seqlens_q"),
-        py::arg("seq_lens"), py::arg("scale"));
+        py::arg("value_cache"), py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
+        py::arg("scale"));
   m.def("has_cuda", &has_cuda);
   m.def("cpu_features", &cpu_features);
   m.def("set_isa", &set_isa, py::arg("isa"));

@@ -5,8 +5,9 @@ import pytest
 
 from bench.bound import Machine, ModelCost, classic_lengths, fcfs_bound, iteration_s, main
 
-TINY = ModelCost(proj_flops=100.0, head_flops=50.0, weight_bytes=1000.0, head_bytes=400.0, kv_bytes=10.0,
-                 attn_flops=2.0)
+TINY = ModelCost(
+    proj_flops=100.0, head_flops=50.0, weight_bytes=1000.0, head_bytes=400.0, kv_bytes=10.0, attn_flops=2.0
+)
 
 
 def test_smollm2_costs():
@@ -53,12 +54,20 @@ def test_a_larger_budget_never_needs_more_prompt_iterations():
 def test_cli_sets_measured_runs_beside_the_bound(tmp_path, capsys):
     lengths = classic_lengths(cap=32, seed=3)
     w = {"seed": 3, "cap": 32, "num_requests": 64, "prompt_len": 128, "arrival": "burst"}
-    run = {"system": "cbserve-fcfs", "cap": 32, "rate": None, "error": "", "workload": w,
-           "summary": {"duration_s": 4.0}}
+    run = {
+        "system": "cbserve-fcfs",
+        "cap": 32,
+        "rate": None,
+        "error": "",
+        "workload": w,
+        "summary": {"duration_s": 4.0},
+    }
     # Another workload's runs (8 requests; Poisson arrivals) are not set beside this bound.
-    other = [dict(run, system="x-fewer", workload=dict(w, num_requests=8)),
-             dict(run, system="x-poisson", workload=dict(w, arrival="poisson", rate=2.0)),
-             dict(run, system="x-fp32", dtype="float32")]
+    other = [
+        dict(run, system="x-fewer", workload=dict(w, num_requests=8)),
+        dict(run, system="x-poisson", workload=dict(w, arrival="poisson", rate=2.0)),
+        dict(run, system="x-fp32", dtype="float32"),
+    ]
     res = {"runs": [run, *other]}
     f = tmp_path / "r.json"
     f.write_text(json.dumps(res))

@@ -37,7 +37,9 @@ class FakeGeneration(pbg.GenerationServicer):
                 sent += k
                 last = sent == n
                 yield pb.GenerateResponse(
-                    request_id=request.request_id, token_ids=ids, text="x" * k,
+                    request_id=request.request_id,
+                    token_ids=ids,
+                    text="x" * k,
                     finish_reason=pb.LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
                     usage=pb.Usage(prompt_tokens=len(request.token_ids.ids), completion_tokens=n) if last else None,
                 )
@@ -101,8 +103,9 @@ def test_client_concurrency_limit_and_errors():
 
 
 def test_client_poisson_arrivals_respected():
-    w = materialise(WorkloadSpec(num_requests=5, prompt_len=4, output_dist="fixed", cap=2,
-                                 arrival="poisson", rate=50.0, seed=1))
+    w = materialise(
+        WorkloadSpec(num_requests=5, prompt_len=4, output_dist="fixed", cap=2, arrival="poisson", rate=50.0, seed=1)
+    )
     recs, _ = _run(FakeGeneration(), w)
     for r in recs:
         assert r.ok

@@ -11,12 +11,20 @@ from bench import linear_kernels as lk
 
 
 def test_gb_s_uses_the_fastest_kernels_bytes():
-    rows = [{"rows": 1, "ms": {"F.linear": 20.0, "amx_linear": 10.0, "amx_linear GGUF blocks": 8.0},
-             "weight_mb": {"F.linear": 270.0, "amx_linear": 270.0, "amx_linear GGUF blocks": 96.0},
-             "packed_linear": "amx_linear"},
-            {"rows": 512, "ms": {"F.linear": 100.0, "amx_linear": 120.0, "amx_linear GGUF blocks": 115.0},
-             "weight_mb": {"F.linear": 270.0, "amx_linear": 270.0, "amx_linear GGUF blocks": 96.0},
-             "packed_linear": "F.linear"}]
+    rows = [
+        {
+            "rows": 1,
+            "ms": {"F.linear": 20.0, "amx_linear": 10.0, "amx_linear GGUF blocks": 8.0},
+            "weight_mb": {"F.linear": 270.0, "amx_linear": 270.0, "amx_linear GGUF blocks": 96.0},
+            "packed_linear": "amx_linear",
+        },
+        {
+            "rows": 512,
+            "ms": {"F.linear": 100.0, "amx_linear": 120.0, "amx_linear GGUF blocks": 115.0},
+            "weight_mb": {"F.linear": 270.0, "amx_linear": 270.0, "amx_linear GGUF blocks": 96.0},
+            "packed_linear": "F.linear",
+        },
+    ]
     lines = lk.table(rows).splitlines()
     assert lines[2] == "| 1 | 20.00 | 10.00 | 8.00 | 12.0 | amx_linear GGUF blocks | amx_linear |"
     assert lines[3] == "| 512 | 100.00 | 120.00 | 115.00 | 2.7 | F.linear | F.linear |"

@@ -32,13 +32,15 @@ cbserve_executor_step_seconds_count 10.0
 cbserve_executor_step_seconds_sum 0.8
 """
 
-TEXT_B = (TEXT_A.replace("cbserve_batch_size_count 10.0", "cbserve_batch_size_count 30.0")
-          .replace("cbserve_batch_size_sum 100.0", "cbserve_batch_size_sum 900.0")
-          .replace("cbserve_iteration_seconds_count 10.0", "cbserve_iteration_seconds_count 30.0")
-          .replace("cbserve_iteration_seconds_sum 1.0", "cbserve_iteration_seconds_sum 3.0")
-          .replace("cbserve_executor_step_seconds_count 10.0", "cbserve_executor_step_seconds_count 30.0")
-          .replace("cbserve_executor_step_seconds_sum 0.8", "cbserve_executor_step_seconds_sum 2.4")
-          .replace("cbserve_num_preemptions_total 2.0", "cbserve_num_preemptions_total 5.0"))
+TEXT_B = (
+    TEXT_A.replace("cbserve_batch_size_count 10.0", "cbserve_batch_size_count 30.0")
+    .replace("cbserve_batch_size_sum 100.0", "cbserve_batch_size_sum 900.0")
+    .replace("cbserve_iteration_seconds_count 10.0", "cbserve_iteration_seconds_count 30.0")
+    .replace("cbserve_iteration_seconds_sum 1.0", "cbserve_iteration_seconds_sum 3.0")
+    .replace("cbserve_executor_step_seconds_count 10.0", "cbserve_executor_step_seconds_count 30.0")
+    .replace("cbserve_executor_step_seconds_sum 0.8", "cbserve_executor_step_seconds_sum 2.4")
+    .replace("cbserve_num_preemptions_total 2.0", "cbserve_num_preemptions_total 5.0")
+)
 
 
 def test_parse_and_delta():

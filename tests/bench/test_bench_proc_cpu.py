@@ -11,7 +11,10 @@ from bench.proc_cpu import ServerCPU, children, own_cpu_s, process_cpu_s
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
 
-_BURN = "import time, sys\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\nprint('done', flush=True)\nsys.stdin.read()"
+_BURN = (
+    "import time, sys\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+    "print('done', flush=True)\nsys.stdin.read()"
+)
 
 
 def _burn_here(seconds: float) -> None:
@@ -22,8 +25,9 @@ def _burn_here(seconds: float) -> None:
 
 def test_child_and_own_cpu_are_counted():
     cpu = ServerCPU(os.getpid())
-    child = subprocess.Popen([sys.executable, "-c", _BURN.format(s=0.4)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BURN.format(s=0.4)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         cpu.start()
         _burn_here(0.3)
@@ -38,7 +42,7 @@ def test_child_and_own_cpu_are_counted():
 
 
 def test_missing_process_reads_none():
-    assert process_cpu_s(2 ** 22 + 12345) is None
+    assert process_cpu_s(2**22 + 12345) is None
     cpu = ServerCPU(None)
     with cpu:
         _burn_here(0.05)

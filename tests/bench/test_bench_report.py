@@ -5,14 +5,15 @@ import json
 import pytest
 
 from bench.report import render_report, throughput_table
-from bench.runner import decode_rate, make_run, _static_occupancy
+from bench.runner import _static_occupancy, decode_rate, make_run
 from bench.stats import RequestRecord
 from bench.workload import WorkloadSpec, materialise
 
 
 def _fake_run(system, cap, tok_s_scale, dtype="bfloat16", rate=None):
-    spec = WorkloadSpec(num_requests=4, prompt_len=8, cap=cap, seed=1,
-                        arrival="poisson" if rate else "burst", rate=rate)
+    spec = WorkloadSpec(
+        num_requests=4, prompt_len=8, cap=cap, seed=1, arrival="poisson" if rate else "burst", rate=rate
+    )
     w = materialise(spec)
     recs = []
     for r in w.requests:
@@ -22,8 +23,11 @@ def _fake_run(system, cap, tok_s_scale, dtype="bfloat16", rate=None):
         rec.end_s = rec.token_times[-1]
         rec.finish_reason = "LENGTH"
         recs.append(rec)
-    metrics = {"available": True, "mean_batch_occupancy": 3.5, "kv_usage_mean": 0.1, "kv_usage_max": 0.2} \
-        if system.startswith("cbserve") else {}
+    metrics = (
+        {"available": True, "mean_batch_occupancy": 3.5, "kv_usage_mean": 0.1, "kv_usage_max": 0.2}
+        if system.startswith("cbserve")
+        else {}
+    )
     run = make_run(system, dtype, w, recs, None, metrics=metrics)
     run["summary"]["output_tokens_per_s"] = 10.0 * tok_s_scale
     if rate:
@@ -32,26 +36,54 @@ def _fake_run(system, cap, tok_s_scale, dtype="bfloat16", rate=None):
 
 
 def test_render_report(tmp_path):
-    runs = [_fake_run(s, c, k) for s, k in (("hf-static", 1), ("hf-cb", 2), ("cbserve-fcfs", 4))
-            for c in (8, 16)]
+    runs = [_fake_run(s, c, k) for s, k in (("hf-static", 1), ("hf-cb", 2), ("cbserve-fcfs", 4)) for c in (8, 16)]
     runs.append(dict(_fake_run("vllm-cpu", 8, 1), error="vLLM venv missing"))
     sweep = [_fake_run("cbserve-fcfs", 8, 1, rate=r) for r in (1.0, 2.0)]
     results = {
-        "title": "test", "date": "today", "command": "python -m bench suite --out X",
-        "machine": {"cpu_model": "Test CPU", "cores": 2}, "versions": {"torch": "x"},
-        "runs": runs, "rate_sweep": sweep,
-        "roofline": {"text": "roof", "matmuls": [{"name": "gate_proj", "m": 64, "k": 576, "n": 1536,
-                                                  "dtype": "bfloat16", "gflops": 300.0, "ms": 0.4}],
-                     "bounds": [{"dtype": "bfloat16", "gflops_weighted": 250.0, "decode_bound_tok_s": 900.0,
-                                 "cbserve_decode_tok_s": 300.0, "share": 1 / 3, "step_mb": 490.0,
-                                 "memory_bound_tok_s": 1200.0, "roofline_bound_tok_s": 900.0,
-                                 "roofline_share": 1 / 3}],
-                     "stream_gb_s": 23.5, "context": 152},
-        "overheads": [{"batch": 1, "decode_tok_s": 20.0, "iteration_mean_s": 0.05, "inner_mean_s": 0.045,
-                       "inner_metric": "cbserve_executor_forward_seconds", "overhead_share": 0.1,
-                       "router_cpu_ms": 1.25, "client_cpu_ms": 0.5, "side_cpu_share": 0.035},
-                      {"batch": 64, "note": "absent"}],
-        "errors": ["vllm-cpu skipped"], "commands": ["make bench"],
+        "title": "test",
+        "date": "today",
+        "command": "python -m bench suite --out X",
+        "machine": {"cpu_model": "Test CPU", "cores": 2},
+        "versions": {"torch": "x"},
+        "runs": runs,
+        "rate_sweep": sweep,
+        "roofline": {
+            "text": "roof",
+            "matmuls": [
+                {"name": "gate_proj", "m": 64, "k": 576, "n": 1536, "dtype": "bfloat16", "gflops": 300.0, "ms": 0.4}
+            ],
+            "bounds": [
+                {
+                    "dtype": "bfloat16",
+                    "gflops_weighted": 250.0,
+                    "decode_bound_tok_s": 900.0,
+                    "cbserve_decode_tok_s": 300.0,
+                    "share": 1 / 3,
+                    "step_mb": 490.0,
+                    "memory_bound_tok_s": 1200.0,
+                    "roofline_bound_tok_s": 900.0,
+                    "roofline_share": 1 / 3,
+                }
+            ],
+            "stream_gb_s": 23.5,
+            "context": 152,
+        },
+        "overheads": [
+            {
+                "batch": 1,
+                "decode_tok_s": 20.0,
+                "iteration_mean_s": 0.05,
+                "inner_mean_s": 0.045,
+                "inner_metric": "cbserve_executor_forward_seconds",
+                "overhead_share": 0.1,
+                "router_cpu_ms": 1.25,
+                "client_cpu_ms": 0.5,
+                "side_cpu_share": 0.035,
+            },
+            {"batch": 64, "note": "absent"},
+        ],
+        "errors": ["vllm-cpu skipped"],
+        "commands": ["make bench"],
     }
     md = render_report(results, tmp_path)
     text = md.read_text()
@@ -98,8 +130,11 @@ def test_cli_run_against_fake_server(tmp_path):
         def Generate(self, request, context):  # noqa: N802
             n = request.stopping.max_new_tokens
             for i in range(n):
-                yield pb.GenerateResponse(request_id=request.request_id, token_ids=[i],
-                                          finish_reason=pb.LENGTH if i == n - 1 else pb.FINISH_REASON_UNSPECIFIED)
+                yield pb.GenerateResponse(
+                    request_id=request.request_id,
+                    token_ids=[i],
+                    finish_reason=pb.LENGTH if i == n - 1 else pb.FINISH_REASON_UNSPECIFIED,
+                )
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pbg.add_GenerationServicer_to_server(SyncFake(), server)
@@ -107,9 +142,28 @@ def test_cli_run_against_fake_server(tmp_path):
     server.start()
     out = tmp_path / "r.json"
     try:
-        rc = main(["run", "--system", "cbserve-fcfs", "--target", f"127.0.0.1:{port}", "-n", "6",
-                   "--prompt-len", "8", "--cap", "12", "--rates", "50,100", "--out", str(out),
-                   "--plots", str(tmp_path / "plots"), "--no-progress"])
+        rc = main(
+            [
+                "run",
+                "--system",
+                "cbserve-fcfs",
+                "--target",
+                f"127.0.0.1:{port}",
+                "-n",
+                "6",
+                "--prompt-len",
+                "8",
+                "--cap",
+                "12",
+                "--rates",
+                "50,100",
+                "--out",
+                str(out),
+                "--plots",
+                str(tmp_path / "plots"),
+                "--no-progress",
+            ]
+        )
     finally:
         server.stop(None)
     assert rc == 0

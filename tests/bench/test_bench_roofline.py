@@ -65,8 +65,7 @@ def test_cli_reports_the_memory_roof(monkeypatch, capsys, tmp_path):
 
     tiny = dict(hidden=16, intermediate=32, heads=2, kv_heads=1, head_dim=8, layers=2, vocab=64)
     real = rl.measure
-    monkeypatch.setattr(rl, "measure", lambda batch, dtypes, progress: real(batch, dtypes, cfg=tiny,
-                                                                             min_time_s=0.002))
+    monkeypatch.setattr(rl, "measure", lambda batch, dtypes, progress: real(batch, dtypes, cfg=tiny, min_time_s=0.002))
     monkeypatch.setattr(rl, "stream_gb_s", lambda: 20.0)
     out = tmp_path / "roof.json"
     assert rl.main(["--dtypes", "float32", "--batch", "4", "--context", "100", "--out", str(out)]) == 0

@@ -16,31 +16,65 @@ from executor.runner import ModelRunner
 
 
 def _run(system, cap, tok_s, itl_p50=0.02, batch=20.0):
-    return {"system": system, "cap": cap, "dtype": "bfloat16",
-            "summary": {"output_tokens_per_s": tok_s, "itl_s": {"p50": itl_p50}},
-            "metrics": {"mean_batch_occupancy": batch} if system.startswith("cbserve") else {}}
+    return {
+        "system": system,
+        "cap": cap,
+        "dtype": "bfloat16",
+        "summary": {"output_tokens_per_s": tok_s, "itl_s": {"p50": itl_p50}},
+        "metrics": {"mean_batch_occupancy": batch} if system.startswith("cbserve") else {},
+    }
 
 
 def _results(fcfs512=700.0, server64=1500.0, alone64=1800.0, router_share=0.025):
-    runs = [_run("hf-static", 32, 90.0), _run("cbserve-fcfs", 32, 280.0), _run("vllm-cpu", 32, 250.0),
-            _run("hf-static", 128, 95.0), _run("cbserve-fcfs", 128, 600.0), _run("vllm-cpu", 128, 400.0),
-            _run("hf-static", 512, 85.0), _run("cbserve-fcfs", 512, fcfs512), _run("vllm-cpu", 512, 480.0),
-            _run("cbserve-static", 512, 240.0, itl_p50=0.018)]
+    runs = [
+        _run("hf-static", 32, 90.0),
+        _run("cbserve-fcfs", 32, 280.0),
+        _run("vllm-cpu", 32, 250.0),
+        _run("hf-static", 128, 95.0),
+        _run("cbserve-fcfs", 128, 600.0),
+        _run("vllm-cpu", 128, 400.0),
+        _run("hf-static", 512, 85.0),
+        _run("cbserve-fcfs", 512, fcfs512),
+        _run("vllm-cpu", 512, 480.0),
+        _run("cbserve-static", 512, 240.0, itl_p50=0.018),
+    ]
     roofline_bound = 3000.0
     return {
         "machine": {"flags": "avx2 avx512f avx512_bf16 amx_bf16 amx_tile"},
         "runs": runs,
-        "roofline": {"stream_gb_s": 23.5, "bounds": [
-            {"dtype": "bfloat16", "roofline_bound_tok_s": roofline_bound, "cbserve_decode_tok_s": server64,
-             "roofline_share": server64 / roofline_bound, "step_matmul_ms": 18.0, "kv_stream_ms": 9.6,
-             "phase_bound_tok_s": 64 / 0.0276}]},
+        "roofline": {
+            "stream_gb_s": 23.5,
+            "bounds": [
+                {
+                    "dtype": "bfloat16",
+                    "roofline_bound_tok_s": roofline_bound,
+                    "cbserve_decode_tok_s": server64,
+                    "roofline_share": server64 / roofline_bound,
+                    "step_matmul_ms": 18.0,
+                    "kv_stream_ms": 9.6,
+                    "phase_bound_tok_s": 64 / 0.0276,
+                }
+            ],
+        },
         "overheads": [
             {"batch": 1, "dtype": "bfloat16", "decode_tok_s": 70.0, "router_share": 0.01},
-            {"batch": 64, "dtype": "bfloat16", "decode_tok_s": server64, "router_share": router_share,
-             "iteration_mean_s": 0.054, "router_cpu_ms": 4.2, "client_cpu_ms": 2.9}],
-        "standalone": {"dtype": "bfloat16", "rows": [
-            {"batch": 1, "mean_context": 152.5, "decode_tok_s": 78.0, "step_ms": 12.8, "forward_ms": 12.6},
-            {"batch": 64, "mean_context": 152.5, "decode_tok_s": alone64, "step_ms": 35.0, "forward_ms": 34.5}]},
+            {
+                "batch": 64,
+                "dtype": "bfloat16",
+                "decode_tok_s": server64,
+                "router_share": router_share,
+                "iteration_mean_s": 0.054,
+                "router_cpu_ms": 4.2,
+                "client_cpu_ms": 2.9,
+            },
+        ],
+        "standalone": {
+            "dtype": "bfloat16",
+            "rows": [
+                {"batch": 1, "mean_context": 152.5, "decode_tok_s": 78.0, "step_ms": 12.8, "forward_ms": 12.6},
+                {"batch": 64, "mean_context": 152.5, "decode_tok_s": alone64, "step_ms": 35.0, "forward_ms": 34.5},
+            ],
+        },
     }
 
 
@@ -100,14 +134,17 @@ def test_limits_text_explains_only_missed_targets_with_run_numbers():
     res = _results(server64=1300.0)
     attach_alone(res)
     text = " ".join(limits_text(res))
-    assert ("of the 38 % longer served step of this run, roughly 11 % is the CPU share, 8 % the extra waiting "
-            "and 15 % the work itself") in text
+    assert (
+        "of the 38 % longer served step of this run, roughly 11 % is the CPU share, 8 % the extra waiting "
+        "and 15 % the work itself"
+    ) in text
     assert "are memory-bound" in text and "90 % of the stream bandwidth" in text
     # Weights streamed as 4-bit blocks: the same step time is far from the memory roof.
     res["standalone"]["weight_bytes"] = 96_000_000
     rows = {r["batch"]: r for r in alone_rows(res)}
-    assert rows[1]["step_mb"] == pytest.approx(96.0 + (step_bytes(1, 152, "bfloat16") - 2 * param_count()["matmul_params"]) / 1e6,
-                                               rel=1e-9)
+    assert rows[1]["step_mb"] == pytest.approx(
+        96.0 + (step_bytes(1, 152, "bfloat16") - 2 * param_count()["matmul_params"]) / 1e6, rel=1e-9
+    )
     text = " ".join(limits_text(res))
     assert "no longer memory-bound" in text and f"reads {rows[1]['step_mb']:.0f} MB" in text
     good = _results(fcfs512=900.0, server64=1900.0, alone64=2000.0)
@@ -135,8 +172,9 @@ def test_limits_text_explains_a_missed_vllm_ratio_by_the_prefill_phase_both_pay(
     attach_alone(res)
     runs = {(r["system"], r["cap"]): r for r in res["runs"]}
     # cap 512: vLLM 20 s for 8,000 output tokens after 64 x 128 prompt tokens; cbserve 1.46x.
-    runs["vllm-cpu", 512]["summary"].update(prompt_tokens=8192, output_tokens=8000, duration_s=20.0,
-                                             num_requests=64, ttft_s={"p99": 6.0})
+    runs["vllm-cpu", 512]["summary"].update(
+        prompt_tokens=8192, output_tokens=8000, duration_s=20.0, num_requests=64, ttft_s={"p99": 6.0}
+    )
     runs["cbserve-fcfs", 512]["summary"].update(duration_s=20.0 / 1.46, ttft_s={"p99": 5.5})
     res["roofline"]["params"] = {"matmul_params": 134_479_872, "embedding_params": 28_311_552}
     res["roofline"]["bounds"][0]["gflops_weighted"] = 350.0
@@ -186,25 +224,76 @@ def test_standalone_runner_measures_decode_steps():
 
 def _with_phases(res, attention=11.0, rest=3.0):
     """A phase profile of the batch-64 step and the roofline's F.linear times."""
-    ms = {"q_proj": 0.05, "k_proj": 0.03, "v_proj": 0.03, "o_proj": 0.05, "gate_proj": 0.1, "up_proj": 0.1,
-          "down_proj": 0.1, "lm_head": 3.0}
-    res["roofline"]["matmuls"] = [{"name": n, "m": 64, "k": 576, "n": 576, "dtype": "bfloat16", "ms": v,
-                                   "gflops": 500.0, "calls_per_step": 1 if n == "lm_head" else 30}
-                                  for n, v in ms.items()]
-    res["roofline"]["matmuls"].append({"name": "q_proj", "m": 64, "k": 576, "n": 576, "dtype": "float32", "ms": 9.0,
-                                       "gflops": 50.0, "calls_per_step": 30})
-    phases = {"qkv": 3.0, "rope_cache": 0.5, "attention": attention, "o_proj": 2.0, "add_rms_norm": 1.0,
-              "gate_up": 6.0, "down": 3.0, "lm_head": 3.0, "rest": rest}
-    res["standalone"]["phases"] = {"batch": 64, "mean_context": 152.5, "step_ms": sum(phases.values()),
-                                   "timed_step_ms": sum(phases.values()), "phases_ms": phases}
+    ms = {
+        "q_proj": 0.05,
+        "k_proj": 0.03,
+        "v_proj": 0.03,
+        "o_proj": 0.05,
+        "gate_proj": 0.1,
+        "up_proj": 0.1,
+        "down_proj": 0.1,
+        "lm_head": 3.0,
+    }
+    res["roofline"]["matmuls"] = [
+        {
+            "name": n,
+            "m": 64,
+            "k": 576,
+            "n": 576,
+            "dtype": "bfloat16",
+            "ms": v,
+            "gflops": 500.0,
+            "calls_per_step": 1 if n == "lm_head" else 30,
+        }
+        for n, v in ms.items()
+    ]
+    res["roofline"]["matmuls"].append(
+        {
+            "name": "q_proj",
+            "m": 64,
+            "k": 576,
+            "n": 576,
+            "dtype": "float32",
+            "ms": 9.0,
+            "gflops": 50.0,
+            "calls_per_step": 30,
+        }
+    )
+    phases = {
+        "qkv": 3.0,
+        "rope_cache": 0.5,
+        "attention": attention,
+        "o_proj": 2.0,
+        "add_rms_norm": 1.0,
+        "gate_up": 6.0,
+        "down": 3.0,
+        "lm_head": 3.0,
+        "rest": rest,
+    }
+    res["standalone"]["phases"] = {
+        "batch": 64,
+        "mean_context": 152.5,
+        "step_ms": sum(phases.values()),
+        "timed_step_ms": sum(phases.values()),
+        "phases_ms": phases,
+    }
     return res
 
 
 def test_phase_rows_put_each_phase_against_its_roof():
     res = _with_phases(_results())
     rows = {r["phase"]: r for r in phase_rows(res)}
-    assert list(rows) == ["qkv", "rope_cache", "attention", "o_proj", "add_rms_norm", "gate_up", "down", "lm_head",
-                          "rest"]
+    assert list(rows) == [
+        "qkv",
+        "rope_cache",
+        "attention",
+        "o_proj",
+        "add_rms_norm",
+        "gate_up",
+        "down",
+        "lm_head",
+        "rest",
+    ]
     assert rows["qkv"]["roof_ms"] == pytest.approx(30 * (0.05 + 0.03 + 0.03))
     assert rows["gate_up"]["roof_ms"] == pytest.approx(6.0) and rows["lm_head"]["roof_ms"] == pytest.approx(3.0)
     # Attention: the batch's K/V at the mean context, read once at the stream bandwidth.
@@ -232,18 +321,31 @@ def test_limits_text_weighs_the_phases_against_the_target():
     assert "q/k/v projection by" not in text  # below its roof
     assert "halves the" in text and "(not measured in this run)" in text
     # Measured over the fp8 cache: its step, share of the bound and attention against the halved stream.
-    f8 = {"qkv": 3.0, "rope_cache": 0.9, "attention": 8.0, "o_proj": 2.0, "add_rms_norm": 1.0,
-          "gate_up": 6.0, "down": 3.0, "lm_head": 3.0, "rest": 3.0}
+    f8 = {
+        "qkv": 3.0,
+        "rope_cache": 0.9,
+        "attention": 8.0,
+        "o_proj": 2.0,
+        "add_rms_norm": 1.0,
+        "gate_up": 6.0,
+        "down": 3.0,
+        "lm_head": 3.0,
+        "rest": 3.0,
+    }
     step = sum(f8.values())
     res["standalone"]["kv_fp8"] = {
         "row": {"batch": 64, "step_ms": step, "decode_tok_s": 64e3 / step},
         "phases": {"batch": 64, "mean_context": 152.5, "step_ms": step, "timed_step_ms": step, "phases_ms": f8},
-        "first_divergence": [3, 6, 9, 64], "reference_first_divergence": [30, 40, 64, 64]}
+        "first_divergence": [3, 6, 9, 64],
+        "reference_first_divergence": [30, 40, 64, 64],
+    }
     f8_roof = 1e3 * step_bytes(64, 152, "bfloat16", weight_bytes=0, kv_dtype="fp8_e5m2") / 23.5e9
     assert f8_roof == pytest.approx(att_roof / 2)
     text = " ".join(limits_text(res))
-    assert (f"the alone step takes {step:.1f} ms = {64e3 / step:.0f} tok/s = {100 * 64e3 / step / 3000:.0f} % of "
-            f"the bound, attention 8.0 ms against its halved stream of {f8_roof:.1f} ms") in text
+    assert (
+        f"the alone step takes {step:.1f} ms = {64e3 / step:.0f} tok/s = {100 * 64e3 / step / 3000:.0f} % of "
+        f"the bound, attention 8.0 ms against its halved stream of {f8_roof:.1f} ms"
+    ) in text
     assert "after a median of 8 tokens on 4 text prompts, against 52 for the torch reference" in text
     rows = {r["phase"]: r for r in phase_rows(res, kv_fp8=True)}
     assert rows["attention"]["roof_ms"] == pytest.approx(f8_roof) and rows["rope_cache"]["ms"] == 0.9
@@ -267,7 +369,7 @@ def test_report_has_the_phase_table(tmp_path):
     res["standalone"]["kv_fp8"] = {"row": {"batch": 64, "step_ms": 29.0, "decode_tok_s": 2207.0}, "phases": f8}
     md = render_report(res, tmp_path).read_text()
     f8_roof = 1e3 * step_bytes(64, 152, "bfloat16", weight_bytes=0, kv_dtype="fp8_e5m2") / 23.5e9
-    assert "fp8 KV cache: ms per step" in md and f"| attention | 11.00 |" in md
+    assert "fp8 KV cache: ms per step" in md and "| attention | 11.00 |" in md
     assert f"| 7.50 | {f8_roof:.2f} |" in md
     del res["standalone"]["phases"]
     assert "LM head (+ greedy argmax)" not in render_report(res, tmp_path).read_text()
@@ -290,15 +392,25 @@ def test_phase_profile_times_a_real_runner_and_puts_everything_back():
     if runner.lean is None:
         assert standalone.phase_profile(runner, batch=4, prompt_len=20, decode_tokens=9) is None
         pytest.skip("no lean forward on this CPU (bf16 fused Llama blocks need AVX-512 bf16)")
-    before = ([(L.qkv, L.o_proj, L.act, L.down) for L in runner.lean.layers], runner.ops,
-              runner.lean._add_rms_norm, runner.lean._rope_cache, dict(runner.model.lm_head.__dict__))
+    before = (
+        [(L.qkv, L.o_proj, L.act, L.down) for L in runner.lean.layers],
+        runner.ops,
+        runner.lean._add_rms_norm,
+        runner.lean._rope_cache,
+        dict(runner.model.lm_head.__dict__),
+    )
     prof = standalone.phase_profile(runner, batch=4, prompt_len=20, decode_tokens=9)
     assert prof["batch"] == 4 and prof["mean_context"] == 25.0
     assert set(prof["phases_ms"]) == set(standalone.PHASES) | {"rest"}
     assert all(prof["phases_ms"][p] > 0 for p in standalone.PHASES)
     assert sum(prof["phases_ms"].values()) >= prof["step_ms"] - 1e-9
-    after = ([(L.qkv, L.o_proj, L.act, L.down) for L in runner.lean.layers], runner.ops,
-             runner.lean._add_rms_norm, runner.lean._rope_cache, dict(runner.model.lm_head.__dict__))
+    after = (
+        [(L.qkv, L.o_proj, L.act, L.down) for L in runner.lean.layers],
+        runner.ops,
+        runner.lean._add_rms_norm,
+        runner.lean._rope_cache,
+        dict(runner.model.lm_head.__dict__),
+    )
     assert after == before
     assert len(runner.state.seqs) == 0
     # The caller's untimed measurement of the same steps is taken as the step (not measured again).
@@ -306,8 +418,12 @@ def test_phase_profile_times_a_real_runner_and_puts_everything_back():
     again = standalone.phase_profile(runner, batch=4, prompt_len=20, decode_tokens=9, untimed=given)
     assert again["step_ms"] == given["step_ms"]
     # Over an fp8 cache the cache write is a call of its own, timed with the rotary pass.
-    f8 = ModelRunner(load_model(resolve("tiny"), torch.bfloat16, torch.device("cpu")), standalone.BLOCK_SIZE,
-                     num_blocks=4 * 3, kv_cache_dtype=torch.float8_e5m2)
+    f8 = ModelRunner(
+        load_model(resolve("tiny"), torch.bfloat16, torch.device("cpu")),
+        standalone.BLOCK_SIZE,
+        num_blocks=4 * 3,
+        kv_cache_dtype=torch.float8_e5m2,
+    )
     ops = f8.ops
     prof = standalone.phase_profile(f8, batch=4, prompt_len=20, decode_tokens=9)
     assert prof["phases_ms"]["rope_cache"] > 0 and prof["phases_ms"]["attention"] > 0
@@ -353,8 +469,10 @@ def test_limits_text_sets_a_missed_vllm_ratio_against_the_fcfs_bound():
     vllm["summary"].update(prompt_tokens=16 * 32, duration_s=3 * b.seconds, ttft_s={"p99": 1.1 * ttft})
     text = " ".join(limits_text(res))
     assert "at budget 128" in text and "a 500 GFLOP/s matmul rate (cbserve's own prompt phase" in text
-    assert (f"the run takes at least {b.seconds:.2f} s: 1.5× vLLM ({2 * b.seconds:.2f} s) asks for 50% of the "
-            f"bound's speed; cbserve ran at 80% of it, vLLM at 33%.") in text
+    assert (
+        f"the run takes at least {b.seconds:.2f} s: 1.5× vLLM ({2 * b.seconds:.2f} s) asks for 50% of the "
+        f"bound's speed; cbserve ran at 80% of it, vLLM at 33%."
+    ) in text
     # vLLM close to the bound: 1.5x its speed is faster than the bound allows.
     vllm["summary"]["duration_s"] = 1.2 * b.seconds
     assert f"1.5× vLLM ({0.8 * b.seconds:.2f} s) is beyond it" in " ".join(limits_text(res))

@@ -16,10 +16,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
-
-import kubernetes_validate
 from kubernetes_validate.utils import SchemaNotFoundError
 
 from router.config import ServerConfig, load_config
@@ -37,20 +36,21 @@ K8S_VERSION = kubernetes_validate.latest_version()
 
 # Metric names the manifests, the adapter rule and docs/deploy.md rely on.
 # Each must be exported by router.metrics.
-METRICS_RELIED_ON = frozenset({
-    "cbserve_num_requests_running",
-    "cbserve_num_requests_waiting",
-    "cbserve_kv_cache_usage_ratio",
-    "cbserve_num_preemptions_total",
-    "cbserve_time_to_first_token_seconds",
-    "cbserve_inter_token_latency_seconds",
-    "cbserve_iteration_tokens",
-    "cbserve_generation_tokens_total",
-})
+METRICS_RELIED_ON = frozenset(
+    {
+        "cbserve_num_requests_running",
+        "cbserve_num_requests_waiting",
+        "cbserve_kv_cache_usage_ratio",
+        "cbserve_num_preemptions_total",
+        "cbserve_time_to_first_token_seconds",
+        "cbserve_inter_token_latency_seconds",
+        "cbserve_iteration_tokens",
+        "cbserve_generation_tokens_total",
+    }
+)
 
 KUBECTL = shutil.which("kubectl")
-needs_kubectl = pytest.mark.skipif(
-    KUBECTL is None, reason="kubectl is not on PATH: cannot render the kustomizations")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on PATH: cannot render the kustomizations")
 
 _RENDERED: dict[str, list[dict]] = {}
 
@@ -59,16 +59,15 @@ def render(name: str) -> list[dict]:
     """`kubectl kustomize` output of one kustomization, as a list of objects."""
     if name not in _RENDERED:
         proc = subprocess.run(
-            [KUBECTL, "kustomize", str(KUSTOMIZATIONS[name])],
-            capture_output=True, text=True, timeout=60, check=False)
+            [KUBECTL, "kustomize", str(KUSTOMIZATIONS[name])], capture_output=True, text=True, timeout=60, check=False
+        )
         assert proc.returncode == 0, f"kubectl kustomize {name} failed:\n{proc.stderr}"
         _RENDERED[name] = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
     return _RENDERED[name]
 
 
 def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [o for o in objs if o["kind"] == kind
-             and (name is None or o["metadata"]["name"] == name)]
+    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
     assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
@@ -88,8 +87,7 @@ def container(spec: dict, name: str) -> dict:
 
 
 def config_text(objs: list[dict]) -> str:
-    cms = [o for o in objs if o["kind"] == "ConfigMap"
-           and o["metadata"]["name"].startswith("cbserve-config")]
+    cms = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("cbserve-config")]
     assert len(cms) == 1, "expected one generated ConfigMap cbserve-config-<hash>"
     return cms[0]["data"]["router.yaml"]
 
@@ -124,13 +122,20 @@ def exported_metric_names() -> set[str]:
 
 # ---- rendering and schema validation ----------------------------------------------
 
+
 @needs_kubectl
 @pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
 def test_kustomization_renders_and_validates(name):
     objs = render(name)
     kinds = {o["kind"] for o in objs}
-    assert {"Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler",
-            "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert {
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    } <= kinds
     for obj in objs:
         label = f"{obj['kind']}/{obj['metadata']['name']}"
         try:
@@ -139,8 +144,7 @@ def test_kustomization_renders_and_validates(name):
             pytest.fail(f"{name}: {label}: {exc.message}")
         except kubernetes_validate.ValidationError as exc:
             path = ".".join(str(p) for p in exc.path)
-            pytest.fail(f"{name}: {label} is invalid for Kubernetes {K8S_VERSION}: "
-                        f"{path}: {exc.message}")
+            pytest.fail(f"{name}: {label} is invalid for Kubernetes {K8S_VERSION}: {path}: {exc.message}")
 
 
 @needs_kubectl
@@ -158,6 +162,7 @@ def test_validation_is_not_a_no_op():
 
 # ---- router config ----------------------------------------------------------------
 
+
 def test_router_yaml_file_loads():
     cfg = load_config(str(DEPLOY / "base" / "router.yaml"))
     assert cfg.executor.address == "unix:///sock/executor.sock"
@@ -174,6 +179,7 @@ def test_configmap_router_yaml_loads_with_router_loader(name, tmp_path):
 
 
 # ---- ports, probes, commands ------------------------------------------------------
+
 
 @needs_kubectl
 @pytest.mark.parametrize("name", OVERLAYS)
@@ -249,6 +255,7 @@ def test_every_container_has_resources(name):
 
 # ---- security ---------------------------------------------------------------------
 
+
 @needs_kubectl
 @pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
 def test_every_container_is_locked_down(name):
@@ -267,6 +274,7 @@ def test_every_container_is_locked_down(name):
 
 
 # ---- drain ------------------------------------------------------------------------
+
 
 def _prestop_sleep_s(c: dict) -> int:
     pre = c.get("lifecycle", {}).get("preStop", {})
@@ -296,13 +304,17 @@ def test_grace_period_covers_the_drain(name, tmp_path):
 
 # ---- autoscaling and metrics ------------------------------------------------------
 
+
 @needs_kubectl
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_hpa_scales_on_queue_depth_with_cpu_fallback(name):
     objs = render(name)
     hpa = one(objs, "HorizontalPodAutoscaler")["spec"]
-    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                     "name": one(objs, "Deployment")["metadata"]["name"]}
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": one(objs, "Deployment")["metadata"]["name"],
+    }
     pods = [m["pods"] for m in hpa["metrics"] if m["type"] == "Pods"]
     assert [p["metric"]["name"] for p in pods] == ["cbserve_num_requests_waiting"]
     cpu = [m["resource"] for m in hpa["metrics"] if m["type"] == "Resource"]

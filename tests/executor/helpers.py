@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-# Each prompt's first n greedy tokens: one prefill plan, then decode steps of the whole batch.
-from bench.standalone import greedy_tokens as greedy  # noqa: F401
-from executor.packed_linear import supported
+from executor.cpu.packed_linear import supported
+from executor.runner import greedy_generate as greedy  # noqa: F401
 
 # The bf16 fast paths (prepacked linears, the lean forward) run only here.
-needs_bf16 = pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")),
-                                reason="CPU lacks native bf16 (oneDNN)")
+needs_bf16 = pytest.mark.skipif(
+    not supported(torch.bfloat16, torch.device("cpu")), reason="CPU lacks native bf16 (oneDNN)"
+)
 
 
 def count_fused_calls(monkeypatch, names: tuple[str, ...] = ("rope_cache", "rope_split")) -> dict[str, int]:

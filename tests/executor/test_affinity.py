@@ -13,17 +13,20 @@ import pytest
 from executor.affinity import bind_omp_threads, should_bind
 
 
-@pytest.mark.parametrize("threads,cpus,env,want", [
-    (0, 2, {}, True),  # one thread per CPU: the default
-    (2, 2, {}, True),
-    (1, 2, {}, False),  # fewer threads than CPUs: a shared machine
-    (0, 64, {"OMP_NUM_THREADS": "2"}, False),  # a CPU quota, not exclusive CPUs
-    (0, 2, {"OMP_NUM_THREADS": "2"}, True),
-    (0, 2, {"OMP_NUM_THREADS": "x"}, False),
-    (0, 2, {"OMP_PROC_BIND": "false"}, False),  # the operator's choice wins
-    (0, 2, {"OMP_PLACES": "cores"}, False),
-    (0, 1, {}, False),  # one CPU: nothing to choose
-])
+@pytest.mark.parametrize(
+    "threads,cpus,env,want",
+    [
+        (0, 2, {}, True),  # one thread per CPU: the default
+        (2, 2, {}, True),
+        (1, 2, {}, False),  # fewer threads than CPUs: a shared machine
+        (0, 64, {"OMP_NUM_THREADS": "2"}, False),  # a CPU quota, not exclusive CPUs
+        (0, 2, {"OMP_NUM_THREADS": "2"}, True),
+        (0, 2, {"OMP_NUM_THREADS": "x"}, False),
+        (0, 2, {"OMP_PROC_BIND": "false"}, False),  # the operator's choice wins
+        (0, 2, {"OMP_PLACES": "cores"}, False),
+        (0, 1, {}, False),  # one CPU: nothing to choose
+    ],
+)
 def test_when_threads_are_bound(threads, cpus, env, want):
     assert should_bind(threads, cpus, env) is want
 
@@ -48,8 +51,14 @@ def test_bound_threads_run_on_cpus_of_their_own():
         "print(sorted(sorted(m) for m in masks if len(m) == 1))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert out.returncode == 0, out.stderr
     pinned = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own subprocess's list of lists
     cpus = {cpu for mask in pinned for cpu in mask}

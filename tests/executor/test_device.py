@@ -66,14 +66,17 @@ def _fake_root(tmp_path, meminfo_kb, files):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("files, want", [
-    ({}, 8 << 30),  # no cgroup files: MemAvailable
-    ({"memory.max": "max\n", "memory.current": "123\n"}, 8 << 30),  # v2, no limit
-    ({"memory.max": str(3 << 30), "memory.current": str(1 << 30)}, 2 << 30),  # v2 pod limit
-    ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "5"}, 8 << 30),
-    ({"memory/memory.limit_in_bytes": str(4 << 30), "memory/memory.usage_in_bytes": str(3 << 30)}, 1 << 30),
-    ({"memory.max": str(1 << 30), "memory.current": str(2 << 30)}, 0),  # over its limit already
-])
+@pytest.mark.parametrize(
+    "files, want",
+    [
+        ({}, 8 << 30),  # no cgroup files: MemAvailable
+        ({"memory.max": "max\n", "memory.current": "123\n"}, 8 << 30),  # v2, no limit
+        ({"memory.max": str(3 << 30), "memory.current": str(1 << 30)}, 2 << 30),  # v2 pod limit
+        ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "5"}, 8 << 30),
+        ({"memory/memory.limit_in_bytes": str(4 << 30), "memory/memory.usage_in_bytes": str(3 << 30)}, 1 << 30),
+        ({"memory.max": str(1 << 30), "memory.current": str(2 << 30)}, 0),  # over its limit already
+    ],
+)
 def test_available_memory_honours_a_cgroup_limit(tmp_path, files, want):
     assert host_available_bytes(_fake_root(tmp_path, 8 << 20, files)) == want
 

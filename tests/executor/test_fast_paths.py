@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from executor import model_loader, model_source
-from executor.fused_modules import FusedMLP, FusedRMSNorm
-from executor.packed_linear import PackedLinear
+from executor.cpu.fused_modules import FusedMLP, FusedRMSNorm
+from executor.cpu.packed_linear import PackedLinear
 from executor.runner import ModelRunner
 from tests.executor.helpers import count_fused_calls, greedy, needs_bf16
 
@@ -35,8 +35,7 @@ def test_modules_are_swapped_in_bf16_only():
 def test_fast_paths_match_stock_modules_in_bf16():
     prompts = [[(5 * i + 3 * L) % 250 + 3 for i in range(L)] for L in (1, 7, 33, 90)]
     fast = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
-    stock = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
-                        prepack=False)
+    stock = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64, prepack=False)
     # bf16 matmul blocking may differ between oneDNN paths.
     _assert_greedy_agrees(greedy(fast, prompts, 10), greedy(stock, prompts, 10))
 
@@ -49,16 +48,21 @@ def test_rope_split_is_bit_exact_with_transformers(dtype):
 
     torch.manual_seed(0)
     T, hq, hkv, D = 37, 9, 3, 64
-    cfg = LlamaConfig(hidden_size=hq * D, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=D,
-                      rope_theta=100000.0)
+    cfg = LlamaConfig(
+        hidden_size=hq * D, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=D, rope_theta=100000.0
+    )
     qkv = torch.randn(T, (hq + 2 * hkv) * D).to(dtype)
     cos, sin = LlamaRotaryEmbedding(cfg)(qkv, (torch.arange(T) * 7 + 3)[None])
     q, k, v = fused.rope_split(qkv, cos[0].contiguous(), sin[0].contiguous(), hq, hkv, D)
-    q_ref, k_ref = apply_rotary_pos_emb(qkv[:, : hq * D].view(1, T, hq, D).transpose(1, 2),
-                                        qkv[:, hq * D:(hq + hkv) * D].view(1, T, hkv, D).transpose(1, 2), cos, sin)
+    q_ref, k_ref = apply_rotary_pos_emb(
+        qkv[:, : hq * D].view(1, T, hq, D).transpose(1, 2),
+        qkv[:, hq * D : (hq + hkv) * D].view(1, T, hkv, D).transpose(1, 2),
+        cos,
+        sin,
+    )
     assert torch.equal(q, q_ref[0].transpose(0, 1))
     assert torch.equal(k, k_ref[0].transpose(0, 1))
-    assert torch.equal(v, qkv[:, (hq + hkv) * D:].view(T, hkv, D))
+    assert torch.equal(v, qkv[:, (hq + hkv) * D :].view(T, hkv, D))
     with pytest.raises(RuntimeError, match="qkv must be"):
         fused.rope_split(qkv[:, 1:].contiguous(), cos[0].contiguous(), sin[0].contiguous(), hq, hkv, D)
 
@@ -85,7 +89,7 @@ def test_rope_cache_equals_rope_split_then_reshape_and_cache(dtype):
     # Contiguous slots (a prompt's), and no tokens at all.
     seq = torch.arange(T, dtype=torch.long) + 7
     fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc, vc, seq)
-    assert torch.equal(kc.view(-1, hkv, D)[7:7 + T], k_ref) and torch.equal(vc.view(-1, hkv, D)[7:7 + T], v_ref)
+    assert torch.equal(kc.view(-1, hkv, D)[7 : 7 + T], k_ref) and torch.equal(vc.view(-1, hkv, D)[7 : 7 + T], v_ref)
     empty = fused.rope_cache(qkv[:0], cos[:0], sin[:0], hq, hkv, D, kc, vc, seq[:0])
     assert empty.shape == (0, hq, D)
 
@@ -100,8 +104,7 @@ def test_rope_cache_rejects_bad_arguments_without_writing():
         fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc, vc, torch.tensor([0, 1, 8, 2]))
     assert not kc.any() and not vc.any()  # checked before anything is written
     with pytest.raises(RuntimeError, match="num_blocks, block_size, Hkv, D"):
-        fused.rope_cache(qkv, cos, sin, hq, hkv, D, torch.zeros(2, 4, 2, D), torch.zeros(2, 4, 2, D),
-                         torch.arange(T))
+        fused.rope_cache(qkv, cos, sin, hq, hkv, D, torch.zeros(2, 4, 2, D), torch.zeros(2, 4, 2, D), torch.arange(T))
     with pytest.raises(RuntimeError, match="dtype"):
         fused.rope_cache(qkv, cos, sin, hq, hkv, D, kc.bfloat16(), vc.bfloat16(), torch.arange(T))
     with pytest.raises(RuntimeError, match="int64"):
@@ -118,8 +121,9 @@ def test_lean_forward_fuses_the_cache_write_for_the_native_backend_only(monkeypa
     got = greedy(native_rt, prompts, 6)
     assert calls["rope_cache"] > 0 and calls["rope_split"] == 0
     calls.update(rope_cache=0, rope_split=0)
-    torch_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
-                           attention_backend="torch")
+    torch_rt = ModelRunner(
+        model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64, attention_backend="torch"
+    )
     ref = greedy(torch_rt, prompts, 6)
     assert calls["rope_split"] > 0 and calls["rope_cache"] == 0
     _assert_greedy_agrees(got, ref)
@@ -152,8 +156,7 @@ def test_add_rms_norm_matches_residual_add_then_llama_rmsnorm(dtype):
 def test_lean_forward_runs_in_bf16_and_matches_the_transformers_forward():
     prompts = [[(7 * i + 5 * L) % 250 + 3 for i in range(L)] for L in (1, 9, 40, 70)]
     lean = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
-    hf = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64,
-                     lean_forward=False)
+    hf = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64, lean_forward=False)
     assert lean.lean is not None and hf.lean is None
     # Same weights and rounding points; only the fused q|k|v matmul may block
     # its reduction differently from three separate ones.

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executor import model_loader, model_source
-from executor.packed_linear import supported
+from executor.cpu.packed_linear import supported
 from executor.runner import ModelRunner
 from tests.executor.helpers import count_fused_calls, greedy
 
@@ -18,19 +18,32 @@ PROMPTS = [[(5 * i + 3 * L) % 250 + 3 for i in range(L)] for L in (1, 17, 40, 70
 
 
 def _runner(dtype, backend="native", **kw):
-    return ModelRunner(model_loader.load_model(model_source.resolve("tiny"), dtype), 16, 64,
-                       attention_backend=backend, kv_cache_dtype=F8, **kw)
+    return ModelRunner(
+        model_loader.load_model(model_source.resolve("tiny"), dtype),
+        16,
+        64,
+        attention_backend=backend,
+        kv_cache_dtype=F8,
+        **kw,
+    )
 
 
 def _cache_bytes(runner, layers=2):
     return [runner.kv.key[i].view(torch.uint8).clone() for i in range(layers)]
 
 
-@pytest.mark.parametrize("dtype", [
-    torch.float32,
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")),
-                                                          reason="CPU lacks native bf16")),
-])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                not supported(torch.bfloat16, torch.device("cpu")), reason="CPU lacks native bf16"
+            ),
+        ),
+    ],
+)
 def test_native_and_reference_backends_agree_over_an_fp8_cache(dtype):
     native_rt, ref_rt = _runner(dtype), _runner(dtype, "torch")
     assert native_rt.kv.key[0].dtype == F8 and native_rt.kv.key[0].element_size() == 1

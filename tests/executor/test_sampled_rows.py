@@ -20,7 +20,8 @@ def _plans() -> list[pb.Plan]:
     """Chunked prefill beside decode rows: a chunk that samples nothing, a
     chunk that finishes its prompt, a whole prompt joining a decode batch."""
     new = lambda sid, n, prompt, blocks: pb.ScheduledSeq(  # noqa: E731
-        seq_id=sid, num_tokens=n, new_block_ids=blocks, new=pb.NewSeq(token_ids=prompt, sampling=pb.SeqSampling()))
+        seq_id=sid, num_tokens=n, new_block_ids=blocks, new=pb.NewSeq(token_ids=prompt, sampling=pb.SeqSampling())
+    )
     more = lambda sid, n: pb.ScheduledSeq(seq_id=sid, num_tokens=n)  # noqa: E731
     plans = [
         pb.Plan(seqs=[new(0, 24, _prompt(40, 0), list(range(0, 4)))]),  # samples nothing
@@ -79,8 +80,18 @@ def test_sampled_rows_match_the_full_forward_hidden_states():
         return h
 
     runner.lean = both
-    runner.step(pb.Plan(seqs=[pb.ScheduledSeq(seq_id=0, num_tokens=70, new_block_ids=list(range(5)),
-                                              new=pb.NewSeq(token_ids=_prompt(70, 3), sampling=pb.SeqSampling()))]))
+    runner.step(
+        pb.Plan(
+            seqs=[
+                pb.ScheduledSeq(
+                    seq_id=0,
+                    num_tokens=70,
+                    new_block_ids=list(range(5)),
+                    new=pb.NewSeq(token_ids=_prompt(70, 3), sampling=pb.SeqSampling()),
+                )
+            ]
+        )
+    )
     h, h_full = got["pair"]
     assert h.shape == h_full.shape == (1, runner.config.hidden_size)
     torch.testing.assert_close(h.float(), h_full.float(), rtol=0.02, atol=0.04)

@@ -29,8 +29,10 @@ def test_same_seed_same_tokens_independent_of_batch_company():
     x = _logits(n=3)
     p = SamplingParams(temperature=1.0, seed=42)
     alone = [sample(x[:1], [p], [None], [i])[0][0] for i in range(20)]
-    with_others = [sample(x, [p, SamplingParams(temperature=0.7, seed=1), SamplingParams()],
-                          [None] * 3, [i, 0, 0])[0][0] for i in range(20)]
+    with_others = [
+        sample(x, [p, SamplingParams(temperature=0.7, seed=1), SamplingParams()], [None] * 3, [i, 0, 0])[0][0]
+        for i in range(20)
+    ]
     assert alone == with_others
     other_seed = [sample(x[:1], [SamplingParams(temperature=1.0, seed=43)], [None], [i])[0][0] for i in range(20)]
     assert alone != other_seed
@@ -69,8 +71,9 @@ def test_repetition_penalty_demotes_seen_tokens():
 
 def test_logprobs_are_the_raw_model_log_probabilities():
     x = _logits(n=2)
-    toks, lps = sample(x, [SamplingParams(logprobs=True), SamplingParams(temperature=0.8, seed=3, logprobs=True)],
-                       [None, None], [0, 0])
+    toks, lps = sample(
+        x, [SamplingParams(logprobs=True), SamplingParams(temperature=0.8, seed=3, logprobs=True)], [None, None], [0, 0]
+    )
     ref = torch.log_softmax(x, -1)
     for row, (t, lp) in enumerate(zip(toks, lps)):
         assert math.isclose(lp, ref[row, t].item(), rel_tol=1e-5)
@@ -79,8 +82,9 @@ def test_logprobs_are_the_raw_model_log_probabilities():
 def test_non_finite_distribution_falls_back_to_greedy_for_that_row_only():
     x = _logits(n=2)
     x[0, 5] = float("inf")
-    toks, _ = sample(x, [SamplingParams(temperature=1e-30, seed=1), SamplingParams(temperature=1.0, seed=2)],
-                     [None, None], [0, 0])
+    toks, _ = sample(
+        x, [SamplingParams(temperature=1e-30, seed=1), SamplingParams(temperature=1.0, seed=2)], [None, None], [0, 0]
+    )
     assert toks[0] == 5
     assert toks[1] == sample(x[1:], [SamplingParams(temperature=1.0, seed=2)], [None], [0])[0][0]
 

@@ -11,8 +11,9 @@ from cbserve.v1 import generation_pb2_grpc as gpb_grpc
 
 
 def gen_request(ids=None, text=None, max_new=8, ignore_eos=True, **kw) -> gpb.GenerateRequest:
-    req = gpb.GenerateRequest(stopping=gpb.StoppingCriteria(max_new_tokens=max_new, ignore_eos=ignore_eos,
-                                                            stop=kw.pop("stop", [])), **kw)
+    req = gpb.GenerateRequest(
+        stopping=gpb.StoppingCriteria(max_new_tokens=max_new, ignore_eos=ignore_eos, stop=kw.pop("stop", [])), **kw
+    )
     if ids is not None:
         req.token_ids.ids.extend(ids)
     if text is not None:
@@ -34,20 +35,40 @@ def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
     m = {}
     while time.monotonic() < end:
         m = server.metrics()
-        if (m.get("cbserve_num_requests_running") == 0 and m.get("cbserve_num_requests_waiting") == 0
-                and m.get("cbserve_num_requests_swapped", 0) == 0
-                and m.get("cbserve_kv_cache_usage_ratio") == 0 and m.get("cbserve_swap_usage_ratio", 0) == 0):
+        if (
+            m.get("cbserve_num_requests_running") == 0
+            and m.get("cbserve_num_requests_waiting") == 0
+            and m.get("cbserve_num_requests_swapped", 0) == 0
+            and m.get("cbserve_kv_cache_usage_ratio") == 0
+            and m.get("cbserve_swap_usage_ratio", 0) == 0
+        ):
             return m
         time.sleep(0.1)
-    raise AssertionError(f"server not idle: running={m.get('cbserve_num_requests_running')} "
-                         f"waiting={m.get('cbserve_num_requests_waiting')} "
-                         f"swapped={m.get('cbserve_num_requests_swapped')} kv={m.get('cbserve_kv_cache_usage_ratio')} "
-                         f"swap={m.get('cbserve_swap_usage_ratio')}")
+    raise AssertionError(
+        f"server not idle: running={m.get('cbserve_num_requests_running')} "
+        f"waiting={m.get('cbserve_num_requests_waiting')} "
+        f"swapped={m.get('cbserve_num_requests_swapped')} kv={m.get('cbserve_kv_cache_usage_ratio')} "
+        f"swap={m.get('cbserve_swap_usage_ratio')}"
+    )
 
 
 def ask_capital_of_france(server, repo: str) -> subprocess.CompletedProcess:
     """`cbserve generate --chat "What is the capital of France?"` against `server`."""
     return subprocess.run(
-        [sys.executable, "-m", "router.cli", "generate", "--address", server.address, "--chat",
-         "What is the capital of France?", "--max-new-tokens", "32"],
-        capture_output=True, text=True, timeout=120, cwd=repo)
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "generate",
+            "--address",
+            server.address,
+            "--chat",
+            "What is the capital of France?",
+            "--max-new-tokens",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo,
+    )

@@ -75,8 +75,9 @@ def test_health_and_reflection(tiny_server):
     with tiny_server.channel() as ch:
         h = health_pb2_grpc.HealthStub(ch)
         for service in ("", "cbserve.v1.Generation"):
-            assert h.Check(health_pb2.HealthCheckRequest(service=service)).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                h.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+            )
         r = reflection_pb2_grpc.ServerReflectionStub(ch)
         resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in resp.list_services_response.service}

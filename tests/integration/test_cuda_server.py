@@ -39,8 +39,9 @@ def test_greedy_on_the_gpu_matches_hf_on_the_cpu(backend):
     model = model_loader.load_model(model_source.resolve("tiny"), torch.float32)
     prompts = tiny_prompts()
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-    server = start_server("tiny", backend=backend, device="cuda",
-                          config={"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 16}})
+    server = start_server(
+        "tiny", backend=backend, device="cuda", config={"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 16}}
+    )
     try:
         got = served_greedy(server, prompts, NEW_TOKENS)
         ready = executor_ready(server)
@@ -59,8 +60,11 @@ def test_preemption_with_swap_through_host_memory_is_exact_and_frees_everything(
         reference = {k: r["ids"] for k, r in run_concurrent(big, pressure_requests()).items()}
     finally:
         big.stop()
-    server = start_server("tiny", device="cuda", config={
-        "cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32}})
+    server = start_server(
+        "tiny",
+        device="cuda",
+        config={"cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32}},
+    )
     try:
         for mode in ("swap", "recompute"):
             reconfigure(server, {"policy": "fcfs", "preemption_mode": mode})
@@ -82,8 +86,13 @@ def test_bf16_sampling_is_seeded_and_batch_independent_on_the_gpu():
     prompt = [5, 17, 33, 2, 81, 9, 120]
 
     def req(seed, **kw):
-        return gen_request(prompt, max_new=16, logprobs=True,
-                           sampling=gpb.SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=seed), **kw)
+        return gen_request(
+            prompt,
+            max_new=16,
+            logprobs=True,
+            sampling=gpb.SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=seed),
+            **kw,
+        )
 
     try:
         with server.channel() as ch:

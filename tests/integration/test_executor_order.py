@@ -24,8 +24,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def executor_stub():
     tmp = tempfile.mkdtemp(prefix="cbserve-order-")
     address = f"unix://{tmp}/executor.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "executor", "--model", "tiny", "--dtype", "float32",
-                             "--device", "cpu", "--listen", address], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "executor",
+            "--model",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--listen",
+            address,
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.ExecutorStub(channel)
     stub._address = address  # for the tests that open their own client
@@ -39,8 +55,12 @@ def executor_stub():
 
 
 def _new_seq(seq_id: int, prompt: list[int], blocks: list[int]) -> pb.ScheduledSeq:
-    return pb.ScheduledSeq(seq_id=seq_id, num_tokens=len(prompt), new_block_ids=blocks,
-                           new=pb.NewSeq(token_ids=prompt, sampling=pb.SeqSampling()))
+    return pb.ScheduledSeq(
+        seq_id=seq_id,
+        num_tokens=len(prompt),
+        new_block_ids=blocks,
+        new=pb.NewSeq(token_ids=prompt, sampling=pb.SeqSampling()),
+    )
 
 
 def _in_background(fn):
@@ -67,8 +87,7 @@ def test_a_plan_that_arrives_early_waits_for_its_predecessor(executor_stub):
     t, box = _in_background(lambda: stub.Step(third, timeout=30))
     time.sleep(0.3)
     assert t.is_alive(), "plan 3 ran before plan 2 arrived"
-    second = stub.Step(pb.Plan(step_id=2, seqs=[pb.ScheduledSeq(seq_id=7, num_tokens=1)]),
-                       timeout=30)
+    second = stub.Step(pb.Plan(step_id=2, seqs=[pb.ScheduledSeq(seq_id=7, num_tokens=1)]), timeout=30)
     t.join(30)
     assert "error" not in box, box.get("error")
     assert list(second.seq_ids) == [7] and list(box["result"].seq_ids) == [7]
@@ -80,8 +99,9 @@ def test_reset_drops_a_plan_waiting_for_a_predecessor(executor_stub):
     stub.Step(pb.Plan(step_id=1, seqs=[_new_seq(3, [9, 9], [1])]), timeout=30)
     # Plan 5 waits for plans 2-4, which never come; the reset must not run it
     # on the new state.
-    t, box = _in_background(lambda: stub.Step(pb.Plan(step_id=5, seqs=[pb.ScheduledSeq(seq_id=3, num_tokens=1)]),
-                                              timeout=30))
+    t, box = _in_background(
+        lambda: stub.Step(pb.Plan(step_id=5, seqs=[pb.ScheduledSeq(seq_id=3, num_tokens=1)]), timeout=30)
+    )
     time.sleep(0.3)
     assert t.is_alive()
     stub.Reset(pb.ResetRequest(), timeout=10)
@@ -99,8 +119,12 @@ def _plans(first_step: int) -> list[pb.Plan]:
     """A prefill of two sequences, then three decode steps of both."""
     plans = [pb.Plan(step_id=first_step, seqs=[_new_seq(1, [5, 6, 7, 8], [10]), _new_seq(2, [9, 3], [11])])]
     for i in range(1, 4):
-        plans.append(pb.Plan(step_id=first_step + i, seqs=[pb.ScheduledSeq(seq_id=1, num_tokens=1),
-                                                           pb.ScheduledSeq(seq_id=2, num_tokens=1)]))
+        plans.append(
+            pb.Plan(
+                step_id=first_step + i,
+                seqs=[pb.ScheduledSeq(seq_id=1, num_tokens=1), pb.ScheduledSeq(seq_id=2, num_tokens=1)],
+            )
+        )
     return plans
 
 
@@ -111,8 +135,9 @@ def test_step_stream_answers_each_plan_in_order_as_step_would(executor_stub):
     stub.Reset(pb.ResetRequest(), timeout=10)
     streamed = list(stub.StepStream(iter(_plans(1)), timeout=60))
     assert [r.step_id for r in streamed] == [1, 2, 3, 4]
-    assert [(list(r.seq_ids), list(r.token_ids)) for r in streamed] == \
-        [(list(r.seq_ids), list(r.token_ids)) for r in unary]
+    assert [(list(r.seq_ids), list(r.token_ids)) for r in streamed] == [
+        (list(r.seq_ids), list(r.token_ids)) for r in unary
+    ]
     assert all(r.forward_seconds > 0 for r in streamed)
 
 
@@ -152,12 +177,12 @@ def test_reset_ends_an_open_step_stream_before_its_next_plan(executor_stub):
 def test_router_client_pipelines_plans_and_recovers_from_a_rejected_one(executor_stub, step_stream):
     """The router's ExecutorClient on both transports: two plans in flight
     (pipelined decode) come back in order; a rejected plan fails with
-    ValueError, the plan in flight behind it fails too, and after the reset
+    PlanRejected, the plan in flight behind it fails too, and after the reset
     the next plans run (on a new stream)."""
     import asyncio
 
     from router.config import ExecutorConfig
-    from router.executor_client import ExecutorClient, ExecutorUnavailable
+    from router.executor_client import ExecutorClient, ExecutorUnavailable, PlanRejected
 
     address = executor_stub._address
 
@@ -175,17 +200,19 @@ def test_router_client_pipelines_plans_and_recovers_from_a_rejected_one(executor
             assert [r.step_id for r in results] == [1, 2, 3, 4]
             first_stream = client._stream
             assert (first_stream is not None) == step_stream
-            bad = asyncio.ensure_future(client.step(pb.Plan(step_id=5, seqs=[pb.ScheduledSeq(seq_id=99,
-                                                                                             num_tokens=1)])))
-            behind = asyncio.ensure_future(client.step(pb.Plan(step_id=6, seqs=[pb.ScheduledSeq(seq_id=1,
-                                                                                                num_tokens=1)])))
-            with pytest.raises(ValueError, match="99"):
+            bad = asyncio.ensure_future(
+                client.step(pb.Plan(step_id=5, seqs=[pb.ScheduledSeq(seq_id=99, num_tokens=1)]))
+            )
+            behind = asyncio.ensure_future(
+                client.step(pb.Plan(step_id=6, seqs=[pb.ScheduledSeq(seq_id=1, num_tokens=1)]))
+            )
+            with pytest.raises(PlanRejected, match="99"):
                 await bad
             # On the stream the plan behind a rejected one fails with it; a unary
             # call may run it (on state the router must reset anyway).
             outcome = (await asyncio.gather(behind, return_exceptions=True))[0]
             if step_stream:
-                assert isinstance(outcome, (ValueError, ExecutorUnavailable))
+                assert isinstance(outcome, (PlanRejected, ExecutorUnavailable))
             await client.reset()
             again = await client.step(_plans(100)[0])
             assert list(again.seq_ids) == [1, 2]
@@ -202,8 +229,11 @@ def test_plans_queued_behind_a_rejected_one_on_the_stream_do_not_run(executor_st
     plan the ones already read behind it are dropped, not run."""
     stub = executor_stub
     stub.Reset(pb.ResetRequest(), timeout=10)
-    plans = [_plans(1)[0], pb.Plan(step_id=2, seqs=[pb.ScheduledSeq(seq_id=99, num_tokens=1)]),
-             pb.Plan(step_id=3, seqs=[_new_seq(3, [4, 4, 4], [20])])]
+    plans = [
+        _plans(1)[0],
+        pb.Plan(step_id=2, seqs=[pb.ScheduledSeq(seq_id=99, num_tokens=1)]),
+        pb.Plan(step_id=3, seqs=[_new_seq(3, [4, 4, 4], [20])]),
+    ]
     got = []
     with pytest.raises(grpc.RpcError) as err:
         for r in stub.StepStream(iter(plans), timeout=60):
@@ -216,5 +246,6 @@ def test_plans_queued_behind_a_rejected_one_on_the_stream_do_not_run(executor_st
         stub.Step(pb.Plan(step_id=3, seqs=[pb.ScheduledSeq(seq_id=3, num_tokens=1)]), timeout=30)
     assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "3" in unknown.value.details()
     # Sequence 1 from plan 1 is still there.
-    assert list(stub.Step(pb.Plan(step_id=4, seqs=[pb.ScheduledSeq(seq_id=1, num_tokens=1)]),
-                          timeout=30).seq_ids) == [1]
+    assert list(stub.Step(pb.Plan(step_id=4, seqs=[pb.ScheduledSeq(seq_id=1, num_tokens=1)]), timeout=30).seq_ids) == [
+        1
+    ]

@@ -86,8 +86,11 @@ def test_executor_failure_ends_requests_unavailable_and_recovers(fault):
         if fault == "hang":
             # The supervisor kills a hung executor: the stopped process is gone.
             end = time.monotonic() + 10
-            while psutil.pid_exists(exe) and psutil.Process(exe).status() != psutil.STATUS_ZOMBIE \
-                    and time.monotonic() < end:
+            while (
+                psutil.pid_exists(exe)
+                and psutil.Process(exe).status() != psutil.STATUS_ZOMBIE
+                and time.monotonic() < end
+            ):
                 time.sleep(0.1)
         _assert_recovered(server, router_pid)
         assert server.executor_pid() != exe
@@ -136,9 +139,27 @@ def _serve_refused(*args: str) -> str:
     """Runs `cbserve serve` (tiny model) expecting the executor to refuse its
     arguments: exit status 2 from both, after the router drained, and no
     restart of the executor. Returns the log."""
-    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--port", "0",
-                          "--metrics-port", "0", "--host", "127.0.0.1", *args],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 2, log[-3000:]
     assert "executor refused its arguments; stopping" in log and "router stopped" in log

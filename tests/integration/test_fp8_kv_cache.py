@@ -15,9 +15,9 @@ from tests.integration.helpers import gen_request, stub, wait_idle
 
 
 def _fp8_block_bytes() -> int:
-    from executor import model_loader, model_source
-
     import torch
+
+    from executor import model_loader, model_source
 
     cfg = model_loader.load_model(model_source.resolve("tiny"), torch.float32).config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -28,10 +28,19 @@ def test_fp8_pool_doubles_the_blocks_and_survives_swap_preemption():
     block = _fp8_block_bytes()
     # The 8-bit pool has CPU kernels only (refused on a GPU: test_kv_pool.py),
     # so this server stays on the CPU also under CBSERVE_TEST_DEVICE=cuda.
-    server = start_server("tiny", device="cpu", config={
-        "cache": {"kv_cache_dtype": "fp8_e5m2", "num_blocks": 0, "kv_cache_bytes": 24 * block + 5,
-                  "swap_space_bytes": 64 * block},
-        "scheduler": {"preemption_mode": "swap", "max_num_batched_tokens": 256}})
+    server = start_server(
+        "tiny",
+        device="cpu",
+        config={
+            "cache": {
+                "kv_cache_dtype": "fp8_e5m2",
+                "num_blocks": 0,
+                "kv_cache_bytes": 24 * block + 5,
+                "swap_space_bytes": 64 * block,
+            },
+            "scheduler": {"preemption_mode": "swap", "max_num_batched_tokens": 256},
+        },
+    )
     try:
         with server.channel() as ch:
             info = stub(ch).ModelInfo(gpb.ModelInfoRequest())
@@ -60,8 +69,25 @@ def test_fp8_pool_doubles_the_blocks_and_survives_swap_preemption():
 def test_a_kv_cache_dtype_it_does_not_know_is_refused_before_starting(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("cache:\n  kv_cache_dtype: int8\n")
-    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--port", "0",
-                          "--metrics-port", "0", "--config", str(cfg)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--config",
+            str(cfg),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "cache.kv_cache_dtype: 'int8' must be one of auto, fp8_e5m2" in out.stderr

@@ -29,8 +29,13 @@ PROMPT_LEN = 8
 @pytest.fixture(scope="module")
 def server():
     # A small queue so RESOURCE_EXHAUSTED is reachable under the storms.
-    srv = start_server("tiny", config={"scheduler": {"max_num_batched_tokens": 256, "max_num_seqs": 32},
-                                       "limits": {"default_max_new_tokens": 16, "max_queued_requests": 200}})
+    srv = start_server(
+        "tiny",
+        config={
+            "scheduler": {"max_num_batched_tokens": 256, "max_num_seqs": 32},
+            "limits": {"default_max_new_tokens": 16, "max_queued_requests": 200},
+        },
+    )
     yield srv
     srv.stop()
 
@@ -47,10 +52,15 @@ def _requests_total(m: dict[str, float]) -> float:
 
 # -- hypothesis fuzz ------------------------------------------------------------------
 _text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
-_floats = st.one_of(st.floats(width=32), st.sampled_from([0.0, 1.0, 0.5, math.nan, math.inf, -math.inf, -1.0,
-                                                          3.4e38, 1e-30]))
-_ids = st.lists(st.one_of(st.integers(0, VOCAB - 1), st.integers(-2**31, 2**31 - 1),
-                          st.sampled_from([-1, VOCAB, VOCAB + 1, 2**31 - 1])), max_size=48)
+_floats = st.one_of(
+    st.floats(width=32), st.sampled_from([0.0, 1.0, 0.5, math.nan, math.inf, -math.inf, -1.0, 3.4e38, 1e-30])
+)
+_ids = st.lists(
+    st.one_of(
+        st.integers(0, VOCAB - 1), st.integers(-(2**31), 2**31 - 1), st.sampled_from([-1, VOCAB, VOCAB + 1, 2**31 - 1])
+    ),
+    max_size=48,
+)
 
 
 @st.composite
@@ -94,7 +104,7 @@ def requests(draw):
         if _wild(draw):
             s.temperature = draw(_floats)
             s.top_p = draw(_floats)
-            s.top_k = draw(st.one_of(st.integers(-5, 300), st.integers(-2**31, 2**31 - 1)))
+            s.top_k = draw(st.one_of(st.integers(-5, 300), st.integers(-(2**31), 2**31 - 1)))
             s.repetition_penalty = draw(_floats)
         else:
             s.temperature = draw(st.floats(0, 2, width=32))
@@ -104,22 +114,28 @@ def requests(draw):
         if draw(st.booleans()):
             s.seed = draw(st.integers(0, 2**64 - 1))
     st_ = req.stopping
-    st_.max_new_tokens = draw(st.integers(0, 24)) if not _wild(draw) else \
-        draw(st.one_of(st.integers(0, 10**6), st.sampled_from([4096, 4097, 2048, 2**32 - 1])))
+    st_.max_new_tokens = (
+        draw(st.integers(0, 24))
+        if not _wild(draw)
+        else draw(st.one_of(st.integers(0, 10**6), st.sampled_from([4096, 4097, 2048, 2**32 - 1])))
+    )
     st_.ignore_eos = draw(st.booleans())
     if _wild(draw):
         st_.stop.extend(draw(st.lists(st.one_of(_text, st.just("a" * 300), st.just("")), max_size=20)))
     else:
         st_.stop.extend(draw(st.lists(_text.filter(bool), max_size=3)))
-    req.priority = draw(st.integers(-1000, 1000)) if not _wild(draw) else \
-        draw(st.sampled_from([-2**31, 2**31 - 1, 1001, -1001]))
+    req.priority = (
+        draw(st.integers(-1000, 1000)) if not _wild(draw) else draw(st.sampled_from([-(2**31), 2**31 - 1, 1001, -1001]))
+    )
     if draw(st.booleans()):
         req.expected_output_tokens = draw(st.integers(0, 2**32 - 1))
     req.logprobs = draw(st.booleans())
     req.cache_salt = draw(st.sampled_from(["", "x", "salt-é"]))
-    req.request_id = draw(st.one_of(st.just(""), st.sampled_from(["dup", "dup-2"]),
-                                    st.text("abcdefghij-_.é日", max_size=128))) if not _wild(draw) else \
-        draw(st.sampled_from(["r" * 129, "\x07bell", "ok\nnewline", "\x00"]))
+    req.request_id = (
+        draw(st.one_of(st.just(""), st.sampled_from(["dup", "dup-2"]), st.text("abcdefghij-_.é日", max_size=128)))
+        if not _wild(draw)
+        else draw(st.sampled_from(["r" * 129, "\x07bell", "ok\nnewline", "\x00"]))
+    )
     return req
 
 
@@ -158,9 +174,18 @@ def fuzz_channel(server):
         yield ch
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                 HealthCheck.large_base_example, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 @given(call=calls())
 def test_fuzz_requests_end_with_a_defined_status(server, fuzz_channel, call):
     req, method, timeout, cancel_after = call
@@ -180,13 +205,17 @@ def test_fuzz_left_server_clean(server):
     assert "Traceback" not in log and "engine loop failed" not in log, log[-3000:]
 
 
-@pytest.mark.parametrize("sampling", [
-    gpb.SamplingParams(temperature=1.4e-45),
-    gpb.SamplingParams(temperature=1e-30, top_k=5),
-    gpb.SamplingParams(temperature=1.0, repetition_penalty=1e-30),
-    gpb.SamplingParams(temperature=1.0, repetition_penalty=3e38),
-    gpb.SamplingParams(temperature=3e38, top_p=1e-30),
-], ids=["denormal-temp", "tiny-temp", "tiny-penalty", "huge-penalty", "huge-temp"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        gpb.SamplingParams(temperature=1.4e-45),
+        gpb.SamplingParams(temperature=1e-30, top_k=5),
+        gpb.SamplingParams(temperature=1.0, repetition_penalty=1e-30),
+        gpb.SamplingParams(temperature=1.0, repetition_penalty=3e38),
+        gpb.SamplingParams(temperature=3e38, top_p=1e-30),
+    ],
+    ids=["denormal-temp", "tiny-temp", "tiny-penalty", "huge-penalty", "huge-temp"],
+)
 def test_extreme_sampling_values_do_not_fail_the_batch(server, sampling):
     """Regression: a denormal temperature made the sampler produce NaN, the
     executor's Step raised, and every in-flight request got UNAVAILABLE."""
@@ -260,8 +289,9 @@ def _check_after_storm(server, before, results, sent):
     key = "cbserve_request_errors_total{status=RESOURCE_EXHAUSTED}"
     assert refused <= after.get(key, 0) - before.get(key, 0) <= refused + gave_up
     ok = sum(1 for code, _ in results if code == S.OK)
-    ok_server = sum(v - before.get(k, 0) for k, v in after.items()
-                    if k.startswith("cbserve_requests_total{") and "status=OK" in k)
+    ok_server = sum(
+        v - before.get(k, 0) for k, v in after.items() if k.startswith("cbserve_requests_total{") and "status=OK" in k
+    )
     assert ok_server >= ok
     with server.channel() as ch:
         r = stub(ch).Complete(gen_request([5, 6, 7], max_new=6), timeout=30)
@@ -333,8 +363,7 @@ def test_output_failure_fails_only_that_request():
     metrics = Metrics()
     eng = Engine(cfg, Failing(), metrics, client=object())
     eng.facts = ExecutorFacts("tiny", "float32", VOCAB, 2048, 16, 64, 0, "native", [2], 1)
-    eng.scheduler = Scheduler(cfg.scheduler, BlockManager(64, 16, 0, True, 0.0), make_policy(cfg.scheduler),
-                              [2], 2048)
+    eng.scheduler = Scheduler(cfg.scheduler, BlockManager(64, 16, 0, True, 0.0), make_policy(cfg.scheduler), [2], 2048)
 
     def mk(rid, prompt):
         return Request(rid, prompt, Sampling(), Stopping(max_new_tokens=3, ignore_eos=True))

@@ -14,10 +14,13 @@ from tests.integration.helpers import gen_request, stub, wait_idle
 
 @pytest.fixture(scope="module")
 def one_seat_server():
-    server = start_server("tiny", config={
-        "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 64},
-        "limits": {"max_queued_requests": 2, "max_queued_tokens": 100},
-    })
+    server = start_server(
+        "tiny",
+        config={
+            "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 64},
+            "limits": {"max_queued_requests": 2, "max_queued_tokens": 100},
+        },
+    )
     yield server
     server.stop()
 

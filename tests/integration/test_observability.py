@@ -38,9 +38,14 @@ def load():
     """A fresh server (so every counter starts at 0) and the scripted load:
     N completed requests (half streamed, several at once), 2 cancelled
     streams, 3 invalid requests. Returns (server, facts the client saw)."""
-    server = start_server("tiny", config={"scheduler": {"policy": "sjf", "max_num_batched_tokens": 256},
-                                          "cache": {"num_blocks": 300, "block_size": 8},
-                                          "logging": {"level": "debug"}})
+    server = start_server(
+        "tiny",
+        config={
+            "scheduler": {"policy": "sjf", "max_num_batched_tokens": 256},
+            "cache": {"num_blocks": 300, "block_size": 8},
+            "logging": {"level": "debug"},
+        },
+    )
     seen = {"tokens": {}, "cancelled_tokens": {}, "invalid": [], "errors": []}
     try:
         with server.channel() as ch:
@@ -106,8 +111,11 @@ def test_startup_heap_is_frozen(load):
     so that a full collection never walks the model's (or the tokenizer's)
     objects in the middle of serving."""
     server, _ = load
-    ready = {obj["event"]: obj for obj in _json_lines(server.log())
-             if obj.get("event") in ("router listening", "executor ready")}
+    ready = {
+        obj["event"]: obj
+        for obj in _json_lines(server.log())
+        if obj.get("event") in ("router listening", "executor ready")
+    }
     assert ready["executor ready"]["frozen_objects"] > 50_000, ready
     # After handing freed heap pages back, the executor logs its resident set.
     assert 10 < ready["executor ready"]["rss_mb"] < 64_000, ready
@@ -161,17 +169,28 @@ def test_histograms_match_the_load(load):
     assert m["cbserve_inter_token_latency_seconds_count"] == total_tokens - admitted
     steps = m["cbserve_iteration_tokens_count"]
     assert steps > 0
-    for name in ("cbserve_batch_size", "cbserve_iteration_seconds", "cbserve_executor_step_seconds",
-                 "cbserve_executor_forward_seconds"):
+    for name in (
+        "cbserve_batch_size",
+        "cbserve_iteration_seconds",
+        "cbserve_executor_step_seconds",
+        "cbserve_executor_forward_seconds",
+    ):
         assert m[f"{name}_count"] == steps, name
     # Every computed token was a prompt token or a fed-back output token.
     assert m["cbserve_iteration_tokens_sum"] >= m["cbserve_prompt_tokens_computed_total"] + total_tokens - admitted
     assert m["cbserve_batch_size_sum"] >= steps
     assert m["cbserve_batch_size_sum"] > steps, "the concurrent requests never shared a batch"
-    for name in ("cbserve_time_to_first_token_seconds", "cbserve_e2e_request_latency_seconds",
-                 "cbserve_queue_time_seconds", "cbserve_inter_token_latency_seconds", "cbserve_iteration_tokens",
-                 "cbserve_batch_size", "cbserve_iteration_seconds", "cbserve_executor_step_seconds",
-                 "cbserve_executor_forward_seconds"):
+    for name in (
+        "cbserve_time_to_first_token_seconds",
+        "cbserve_e2e_request_latency_seconds",
+        "cbserve_queue_time_seconds",
+        "cbserve_inter_token_latency_seconds",
+        "cbserve_iteration_tokens",
+        "cbserve_batch_size",
+        "cbserve_iteration_seconds",
+        "cbserve_executor_step_seconds",
+        "cbserve_executor_forward_seconds",
+    ):
         assert m[f"{name}_bucket{{le=+Inf}}"] == m[f"{name}_count"], name
         assert m[f"{name}_sum"] >= 0, name
     assert m["cbserve_time_to_first_token_seconds_sum"] <= m["cbserve_e2e_request_latency_seconds_sum"]
@@ -204,12 +223,14 @@ def test_stdlib_log_records_are_json_too():
     import subprocess
     import sys
 
-    code = ("import logging\n"
-            "from router.logging_setup import configure_logging\n"
-            "configure_logging('info', 'json', process='router')\n"
-            "try:\n    1/0\nexcept ZeroDivisionError:\n"
-            "    logging.getLogger('grpc._server').exception('Exception calling application')\n"
-            "logging.getLogger('asyncio').info('below the stdlib level')\n")
+    code = (
+        "import logging\n"
+        "from common.logging_setup import configure_logging\n"
+        "configure_logging('info', 'json', process='router')\n"
+        "try:\n    1/0\nexcept ZeroDivisionError:\n"
+        "    logging.getLogger('grpc._server').exception('Exception calling application')\n"
+        "logging.getLogger('asyncio').info('below the stdlib level')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     lines = _json_lines(out.stderr)
     assert len(lines) == 1, out.stderr
@@ -316,7 +337,7 @@ def test_metrics_doc_lists_exactly_the_exported_metrics():
             labelnames[attr._name] = set(names)
     exported = {}
     for name, (typ, labels) in _exported().items():
-        base = name[:-len("_total")] if typ == "counter" else name
+        base = name[: -len("_total")] if typ == "counter" else name
         exported[name] = (typ, labels | labelnames.get(base, set()))
 
     with open(DOC, encoding="utf-8") as fh:

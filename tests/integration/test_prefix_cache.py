@@ -17,7 +17,7 @@ import pytest
 from cbserve.v1 import generation_pb2 as gpb
 from tests.conftest import has_smollm2, start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
-from tests.integration.test_scheduling import (BLOCK_BYTES_TINY_FP32, reconfigure, run_concurrent)
+from tests.integration.test_scheduling import BLOCK_BYTES_TINY_FP32, reconfigure, run_concurrent
 
 BS = 16
 _rng = random.Random(5)
@@ -93,8 +93,15 @@ def test_fully_cached_prompt(on, reference, key, cached):
     assert list(first.token_ids) == list(second.token_ids) == reference[key]
     # The last prompt token is always computed; a full last block is given back.
     assert second.usage.cached_prompt_tokens == cached
-    d = {k: m1[k] - m0[k] for k in ("cbserve_prefix_cache_queries_total", "cbserve_prefix_cache_hits_total",
-                                    "cbserve_prompt_tokens_total", "cbserve_prompt_tokens_computed_total")}
+    d = {
+        k: m1[k] - m0[k]
+        for k in (
+            "cbserve_prefix_cache_queries_total",
+            "cbserve_prefix_cache_hits_total",
+            "cbserve_prompt_tokens_total",
+            "cbserve_prompt_tokens_computed_total",
+        )
+    }
     assert d["cbserve_prefix_cache_queries_total"] == len(FULL[key])
     assert d["cbserve_prefix_cache_hits_total"] == cached
     assert d["cbserve_prompt_tokens_total"] == len(FULL[key])
@@ -138,9 +145,17 @@ def test_with_chunked_prefill(on, reference):
 
 
 def test_with_preemption_in_both_modes(reference):
-    server = start_server("tiny", config={"cache": {"num_blocks": 12, "block_size": BS,
-                                                    "enable_prefix_caching": True,
-                                                    "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32}})
+    server = start_server(
+        "tiny",
+        config={
+            "cache": {
+                "num_blocks": 12,
+                "block_size": BS,
+                "enable_prefix_caching": True,
+                "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32,
+            }
+        },
+    )
     try:
         for mode in ("recompute", "swap", "recompute"):
             reconfigure(server, {"policy": "fcfs", "preemption_mode": mode})

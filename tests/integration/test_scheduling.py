@@ -63,8 +63,9 @@ def reload_count(server, what: str = "scheduler config reloaded") -> int:
     return server.log().count(what)
 
 
-def reconfigure(server, scheduler: dict | None = None, raw: str | None = None,
-                expect: str = "scheduler config reloaded") -> None:
+def reconfigure(
+    server, scheduler: dict | None = None, raw: str | None = None, expect: str = "scheduler config reloaded"
+) -> None:
     """Rewrites the server's config file (scheduler section replaced, or raw
     text) and sends SIGHUP; waits for the router to log the outcome."""
     before = reload_count(server, expect)
@@ -99,8 +100,10 @@ def wait_metric(server, pred, timeout: float = 20.0) -> dict:
 
 def pressure_requests(n: int = 8, prompt_len: int = 20, max_new: int = 60) -> dict:
     rng = random.Random(4)
-    return {f"p{i}": gen_request([rng.randrange(3, 259) for _ in range(prompt_len + i % 3)], max_new=max_new)
-            for i in range(n)}
+    return {
+        f"p{i}": gen_request([rng.randrange(3, 259) for _ in range(prompt_len + i % 3)], max_new=max_new)
+        for i in range(n)
+    }
 
 
 def outputs(res: dict) -> dict:
@@ -119,8 +122,9 @@ def big():
 @pytest.fixture(scope="module")
 def tiny_pool():
     """12 blocks of 16 tokens (192 tokens) and room to swap all of them."""
-    server = start_server("tiny", config={"cache": {"num_blocks": 12, "block_size": 16,
-                                                    "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32}})
+    server = start_server(
+        "tiny", config={"cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32}}
+    )
     yield server
     server.stop()
 
@@ -144,8 +148,10 @@ def _pressure_run(server, reference) -> tuple[float, float]:
     m1 = wait_idle(server)
     assert m1["cbserve_num_requests_swapped"] == 0
     assert m1["cbserve_swap_usage_ratio"] == 0  # host blocks returned too
-    return (m1["cbserve_num_preemptions_total"] - m0["cbserve_num_preemptions_total"],
-            m1["cbserve_num_swaps_total"] - m0["cbserve_num_swaps_total"])
+    return (
+        m1["cbserve_num_preemptions_total"] - m0["cbserve_num_preemptions_total"],
+        m1["cbserve_num_swaps_total"] - m0["cbserve_num_swaps_total"],
+    )
 
 
 def test_recompute_preemption_is_exact(tiny_pool, reference):
@@ -162,9 +168,13 @@ def test_swap_preemption_is_exact(tiny_pool, reference):
 
 
 def test_swap_with_small_host_pool_falls_back_to_recompute(reference):
-    server = start_server("tiny", config={
-        "cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 3 * BLOCK_BYTES_TINY_FP32},
-        "scheduler": {"preemption_mode": "swap"}})
+    server = start_server(
+        "tiny",
+        config={
+            "cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 3 * BLOCK_BYTES_TINY_FP32},
+            "scheduler": {"preemption_mode": "swap"},
+        },
+    )
     try:
         preemptions, swaps = _pressure_run(server, reference)
     finally:
@@ -172,12 +182,12 @@ def test_swap_with_small_host_pool_falls_back_to_recompute(reference):
     assert preemptions > swaps, "some victims did not fit the 3 host blocks: recomputed"
 
 
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("policy", ["priority", "sjf", "static", "dynamic"])
 def test_every_policy_under_memory_pressure_is_exact(tiny_pool, reference, policy, mode):
-    reconfigure(tiny_pool, {"policy": policy, "preemption_mode": mode, "static_batch_size": 5,
-                            "dynamic_max_wait_ms": 5.0})
+    reconfigure(
+        tiny_pool, {"policy": policy, "preemption_mode": mode, "static_batch_size": 5, "dynamic_max_wait_ms": 5.0}
+    )
     reqs = pressure_requests()
     for i, r in enumerate(reqs.values()):
         r.priority = i % 3
@@ -198,8 +208,14 @@ def test_cancel_under_pressure_releases_everything(tiny_pool, reference):
     reconfigure(tiny_pool, {"policy": "fcfs", "preemption_mode": "swap"})
     with tiny_pool.channel() as ch:
         calls = [stub(ch).Generate(r) for r in pressure_requests(max_new=150).values()]
-        wait_metric(tiny_pool, lambda m: m["cbserve_num_requests_swapped"] > 0
-                    or m["cbserve_num_preemptions_total"] > 0 and m["cbserve_num_requests_waiting"] > 0)
+        wait_metric(
+            tiny_pool,
+            lambda m: (
+                m["cbserve_num_requests_swapped"] > 0
+                or m["cbserve_num_preemptions_total"] > 0
+                and m["cbserve_num_requests_waiting"] > 0
+            ),
+        )
         for c in calls[::2]:
             c.cancel()
         time.sleep(0.3)
@@ -211,13 +227,16 @@ def test_cancel_under_pressure_releases_everything(tiny_pool, reference):
     assert outputs(run_concurrent(tiny_pool, reqs)) == reference
     wait_idle(tiny_pool)
 
+
 # -- SIGHUP reload ---------------------------------------------------------------------
 def test_sighup_switches_policy_mid_run_without_losing_requests(big):
     reconfigure(big, {"policy": "fcfs", "max_num_seqs": 4})
     assert policy_of(big) == "fcfs"
     rng = random.Random(7)
-    reqs = {f"r{i}": gen_request([rng.randrange(3, 259) for _ in range(12)], max_new=40 + i,
-                                 priority=i % 3) for i in range(16)}
+    reqs = {
+        f"r{i}": gen_request([rng.randrange(3, 259) for _ in range(12)], max_new=40 + i, priority=i % 3)
+        for i in range(16)
+    }
     out, threads = start_streams(big, reqs)
     wait_metric(big, lambda m: m["cbserve_generation_tokens_total"] > 0 and m["cbserve_num_requests_waiting"] > 0)
     reconfigure(big, {"policy": "priority", "max_num_seqs": 4})
@@ -289,11 +308,13 @@ def test_sjf_runs_the_short_job_before_the_long_one(big):
     ids = {k: f"{tag}-{k}" for k in ("occupier", "long", "short")}
     out, threads = start_streams(big, {"occupier": gen_request([20] * 16, max_new=600, request_id=ids["occupier"])})
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1 and m["cbserve_generation_tokens_total"] > 0)
-    _, t2 = start_streams(big, {"long": gen_request([30] * 16, max_new=200, expected_output_tokens=200,
-                                                    request_id=ids["long"])}, out)
+    _, t2 = start_streams(
+        big, {"long": gen_request([30] * 16, max_new=200, expected_output_tokens=200, request_id=ids["long"])}, out
+    )
     wait_metric(big, lambda m: m["cbserve_num_requests_waiting"] == 1)
-    _, t3 = start_streams(big, {"short": gen_request([40] * 16, max_new=10, expected_output_tokens=10,
-                                                     request_id=ids["short"])}, out)
+    _, t3 = start_streams(
+        big, {"short": gen_request([40] * 16, max_new=10, expected_output_tokens=10, request_id=ids["short"])}, out
+    )
     wait_metric(big, lambda m: m["cbserve_num_requests_waiting"] == 2)
     assert "occupier" not in out, "both jobs must queue while the seat is taken"
     for t in threads + t2 + t3:
@@ -326,8 +347,7 @@ def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
     assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
     # Server-side records (see test_sjf_...): finishing order, and how long the
     # newcomer queued against how long it then ran.
-    done = {d["request_id"].rsplit("-", 1)[1]: d
-            for d in _finish_order(big, {f"{tag}-b0", f"{tag}-b1", f"{tag}-late"})}
+    done = {d["request_id"].rsplit("-", 1)[1]: d for d in _finish_order(big, {f"{tag}-b0", f"{tag}-b1", f"{tag}-late"})}
     order = list(done)  # log order
     late = done["late"]
     ran_s = late["e2e_s"] - late["queue_s"]

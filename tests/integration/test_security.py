@@ -34,33 +34,54 @@ def _make_ca_and_certs(tmp):
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = key()
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cbserve test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
 
     def leaf(cn, server):
         k = key()
-        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
-             .issuer_name(ca_name).public_key(k.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1)))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+            .issuer_name(ca_name)
+            .public_key(k.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
         if server:
             import ipaddress
 
-            b = b.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            b = b.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
         cert = b.sign(ca_key, hashes.SHA256())
-        return (cert.public_bytes(serialization.Encoding.PEM),
-                k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption()))
+        return (
+            cert.public_bytes(serialization.Encoding.PEM),
+            k.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+        )
 
     s_cert, s_key = leaf("localhost", True)
     c_cert, c_key = leaf("client", False)
     return {
         "ca": write("ca.pem", ca.public_bytes(serialization.Encoding.PEM)),
-        "server_cert": write("server.pem", s_cert), "server_key": write("server.key", s_key),
-        "client_cert": write("client.pem", c_cert), "client_key": write("client.key", c_key),
+        "server_cert": write("server.pem", s_cert),
+        "server_key": write("server.key", s_key),
+        "client_cert": write("client.pem", c_cert),
+        "client_key": write("client.key", c_key),
     }
 
 
@@ -80,9 +101,17 @@ def _check_health(channel):
 
 def test_tls_and_mtls_on_the_public_port(certs):
     good = grpc.ssl_channel_credentials(_read(certs["ca"]), _read(certs["client_key"]), _read(certs["client_cert"]))
-    server = start_server("tiny", config={"server": {
-        "tls_cert_file": certs["server_cert"], "tls_key_file": certs["server_key"],
-        "tls_client_ca_file": certs["ca"]}}, credentials=good)
+    server = start_server(
+        "tiny",
+        config={
+            "server": {
+                "tls_cert_file": certs["server_cert"],
+                "tls_key_file": certs["server_key"],
+                "tls_client_ca_file": certs["ca"],
+            }
+        },
+        credentials=good,
+    )
     try:
         with server.channel() as ch:
             out = stub(ch).Complete(gen_request([5, 6, 7], max_new=3))
@@ -101,8 +130,11 @@ def test_tls_and_mtls_on_the_public_port(certs):
 
 def test_tls_without_client_certificates(certs):
     creds = grpc.ssl_channel_credentials(_read(certs["ca"]))
-    server = start_server("tiny", config={"server": {
-        "tls_cert_file": certs["server_cert"], "tls_key_file": certs["server_key"]}}, credentials=creds)
+    server = start_server(
+        "tiny",
+        config={"server": {"tls_cert_file": certs["server_cert"], "tls_key_file": certs["server_key"]}},
+        credentials=creds,
+    )
     try:
         with server.channel() as ch:
             assert len(stub(ch).Complete(gen_request([5, 6, 7], max_new=2)).token_ids) == 2
@@ -119,8 +151,10 @@ def test_bearer_token_auth_keeps_health_open(tmp_path):
             s = stub(ch)
             assert _check_health(ch) == health_pb2.HealthCheckResponse.SERVING
             for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret-token")]):
-                for call in (lambda md: s.Complete(gen_request([5], max_new=2), metadata=md),
-                             lambda md: list(s.Generate(gen_request([5], max_new=2), metadata=md))):
+                for call in (
+                    lambda md: s.Complete(gen_request([5], max_new=2), metadata=md),
+                    lambda md: list(s.Generate(gen_request([5], max_new=2), metadata=md)),
+                ):
                     with pytest.raises(grpc.RpcError) as err:
                         call(metadata)
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -131,8 +165,9 @@ def test_bearer_token_auth_keeps_health_open(tmp_path):
 
 
 def test_token_from_environment_variable():
-    server = start_server("tiny", config={"server": {"auth_token_env": "CBSERVE_TEST_TOKEN"}},
-                          env={"CBSERVE_TEST_TOKEN": "env-token"})
+    server = start_server(
+        "tiny", config={"server": {"auth_token_env": "CBSERVE_TEST_TOKEN"}}, env={"CBSERVE_TEST_TOKEN": "env-token"}
+    )
     try:
         with server.channel() as ch:
             with pytest.raises(grpc.RpcError) as err:
@@ -146,9 +181,17 @@ def test_token_from_environment_variable():
 
 def test_router_to_executor_over_tcp_with_tls(certs):
     port = free_port()
-    server = start_server("tiny", config={"executor": {
-        "tls_cert_file": certs["server_cert"], "tls_key_file": certs["server_key"], "tls_ca_file": certs["ca"]}},
-        extra_args=["--executor-address", f"127.0.0.1:{port}"])
+    server = start_server(
+        "tiny",
+        config={
+            "executor": {
+                "tls_cert_file": certs["server_cert"],
+                "tls_key_file": certs["server_key"],
+                "tls_ca_file": certs["ca"],
+            }
+        },
+        extra_args=["--executor-address", f"127.0.0.1:{port}"],
+    )
     try:
         with server.channel() as ch:
             assert len(stub(ch).Complete(gen_request([5, 6], max_new=3)).token_ids) == 3

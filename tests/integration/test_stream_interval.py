@@ -22,8 +22,9 @@ INTERVAL = 4
 
 @pytest.fixture(scope="module")
 def grouped():
-    server = start_server("tiny", config={"server": {"stream_interval": INTERVAL},
-                                          "scheduler": {"max_num_batched_tokens": 256}})
+    server = start_server(
+        "tiny", config={"server": {"stream_interval": INTERVAL}, "scheduler": {"max_num_batched_tokens": 256}}
+    )
     yield server
     server.stop()
 
@@ -42,8 +43,9 @@ def test_tokens_arrive_in_groups_with_the_same_output(grouped, tiny_server):
     assert len(ref) == 11  # every token on its own
     assert [t for m in msgs for t in m.token_ids] == [t for m in ref for t in m.token_ids]
     # Two processes, same weights and batch shapes; only the packing of messages differs.
-    assert [x for m in msgs for x in m.logprobs] == pytest.approx([x for m in ref for x in m.logprobs],
-                                                                  rel=1e-4, abs=1e-4)
+    assert [x for m in msgs for x in m.logprobs] == pytest.approx(
+        [x for m in ref for x in m.logprobs], rel=1e-4, abs=1e-4
+    )
     assert "".join(m.text for m in msgs) == "".join(m.text for m in ref)
     assert msgs[-1].finish_reason == gpb.LENGTH and msgs[-1].usage == ref[-1].usage
 
@@ -80,7 +82,12 @@ def test_cancelled_grouped_stream_frees_its_blocks(grouped):
 def test_bad_stream_interval_is_refused_at_start(tmp_path, value):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml.safe_dump({"server": {"stream_interval": value}}))
-    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--config", str(cfg)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--config", str(cfg)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0
     assert "server.stream_interval" in out.stderr + out.stdout

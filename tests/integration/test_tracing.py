@@ -47,9 +47,17 @@ def test_each_request_is_one_span_with_its_life_events():
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
-    cb = start_server("tiny", config={
-        "tracing": {"exporter": "otlp", "otlp_endpoint": f"http://127.0.0.1:{port}", "service_name": "cbserve-test"},
-        "scheduler": {"max_num_batched_tokens": 32, "max_num_seqs": 8}})
+    cb = start_server(
+        "tiny",
+        config={
+            "tracing": {
+                "exporter": "otlp",
+                "otlp_endpoint": f"http://127.0.0.1:{port}",
+                "service_name": "cbserve-test",
+            },
+            "scheduler": {"max_num_batched_tokens": 32, "max_num_seqs": 8},
+        },
+    )
     try:
         with cb.channel() as ch:
             s = stub(ch)

@@ -31,13 +31,33 @@ CASES = [
     ("prompt longer than context", gen_request([5] * 2048), INVALID, "context"),
     ("max_new_tokens above limit", gen_request(OK_IDS, max_new=5000), INVALID, "stopping.max_new_tokens"),
     ("prompt + max_new beyond context", gen_request([5] * 2000, max_new=100), INVALID, "stopping.max_new_tokens"),
-    ("negative temperature", gen_request(OK_IDS, sampling=gpb.SamplingParams(temperature=-0.5)), INVALID, "sampling.temperature"),
-    ("NaN temperature", gen_request(OK_IDS, sampling=gpb.SamplingParams(temperature=math.nan)), INVALID, "sampling.temperature"),
-    ("infinite temperature", gen_request(OK_IDS, sampling=gpb.SamplingParams(temperature=math.inf)), INVALID, "sampling.temperature"),
+    (
+        "negative temperature",
+        gen_request(OK_IDS, sampling=gpb.SamplingParams(temperature=-0.5)),
+        INVALID,
+        "sampling.temperature",
+    ),
+    (
+        "NaN temperature",
+        gen_request(OK_IDS, sampling=gpb.SamplingParams(temperature=math.nan)),
+        INVALID,
+        "sampling.temperature",
+    ),
+    (
+        "infinite temperature",
+        gen_request(OK_IDS, sampling=gpb.SamplingParams(temperature=math.inf)),
+        INVALID,
+        "sampling.temperature",
+    ),
     ("top_p above 1", gen_request(OK_IDS, sampling=gpb.SamplingParams(top_p=1.5)), INVALID, "sampling.top_p"),
     ("negative top_p", gen_request(OK_IDS, sampling=gpb.SamplingParams(top_p=-0.1)), INVALID, "sampling.top_p"),
     ("negative top_k", gen_request(OK_IDS, sampling=gpb.SamplingParams(top_k=-3)), INVALID, "sampling.top_k"),
-    ("negative repetition penalty", gen_request(OK_IDS, sampling=gpb.SamplingParams(repetition_penalty=-1)), INVALID, "sampling.repetition_penalty"),
+    (
+        "negative repetition penalty",
+        gen_request(OK_IDS, sampling=gpb.SamplingParams(repetition_penalty=-1)),
+        INVALID,
+        "sampling.repetition_penalty",
+    ),
     ("too many stop strings", gen_request(OK_IDS, stop=[f"s{i}" for i in range(17)]), INVALID, "stopping.stop"),
     ("empty stop string", gen_request(OK_IDS, stop=["ok", ""]), INVALID, "stopping.stop[1]"),
     ("oversize stop string", gen_request(OK_IDS, stop=["x" * 300]), INVALID, "stopping.stop[0]"),
@@ -86,8 +106,11 @@ def test_oversize_metadata_is_refused(tiny_server):
     with tiny_server.channel() as ch:
         with pytest.raises(grpc.RpcError) as err:
             stub(ch).Complete(gen_request(OK_IDS, max_new=1), metadata=[("x-big", "v" * 40000)])
-    assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
-                                grpc.StatusCode.UNAVAILABLE)
+    assert err.value.code() in (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+    )
 
 
 def test_tokenize_validates_too(tiny_server):

@@ -1,4 +1,4 @@
-"""The AMX kernels over GGUF Q4_1 / Q8_0 blocks (executor/gguf_weights.py
+"""The AMX kernels over GGUF Q4_1 / Q8_0 blocks (executor/cpu/gguf_weights.py
 packs them): the expanded tiles and every output must equal, bit for bit,
 those of the bf16 weights the blocks dequantise to."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import native._fused as fused
-from executor.gguf_weights import BlockWeight
+from executor.cpu.gguf_weights import BlockWeight
 
 pytestmark = pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")
 
@@ -71,8 +71,9 @@ def test_silu_mul_over_gate_up_blocks_equals_the_bf16_kernel(m):
     tiles = fused.amx_pack_gate_up(w)
     assert torch.equal(_bits(fused.amx_dequant(packed)), _bits(tiles))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-    assert torch.equal(_bits(fused.amx_linear_silu_mul(x, packed, inter)),
-                       _bits(fused.amx_linear_silu_mul(x, tiles, inter)))
+    assert torch.equal(
+        _bits(fused.amx_linear_silu_mul(x, packed, inter)), _bits(fused.amx_linear_silu_mul(x, tiles, inter))
+    )
 
 
 def test_block_arguments_are_checked():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import native._fused as fused
-from executor import packed_linear
-from executor.packed_linear import AMX_MAX_ROWS, PackedLinear
+from executor.cpu import packed_linear
+from executor.cpu.packed_linear import AMX_MAX_ROWS, PackedLinear
 from tests.native.helpers import record_rows
 
 pytestmark = pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")
@@ -32,7 +32,7 @@ def test_matches_fp32_reference_up_to_bf16_rounding(m, n, k):
     for bias in (None, b):
         got = fused.amx_linear(x, packed, n, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-        torch.testing.assert_close(got.float(), _reference(x, w, bias), rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+        torch.testing.assert_close(got.float(), _reference(x, w, bias), rtol=2**-7, atol=1e-3 * k**0.5)
 
 
 def test_packed_layout_is_vnni_tiles_zero_padded():
@@ -82,10 +82,10 @@ def test_packed_linear_takes_amx_up_to_its_row_limit(monkeypatch):
     with torch.inference_mode():
         for rows in (1, 7, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
             x = torch.randn(rows, 64).bfloat16()
-            torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+            torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2**-7, atol=2e-2)
         # A strided input (a view) is made contiguous, not rejected.
         x = torch.randn(64, 6).bfloat16().T
-        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2**-7, atol=2e-2)
     assert calls == [1, 7, AMX_MAX_ROWS, 6]
 
 
@@ -96,10 +96,11 @@ def test_without_amx_packed_linear_falls_back(monkeypatch):
     assert packed.kernel in ("avx512", "onednn")
     x = torch.randn(9, 64).bfloat16()
     with torch.inference_mode():
-        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2**-7, atol=2e-2)
 
 
 # --- gate|up projection with the SiLU-and-mul epilogue ----------------------
+
 
 @pytest.mark.parametrize("m", [1, 5, 17, 33, 70, 400])
 @pytest.mark.parametrize("inter,k", [(1536, 576), (16, 40), (48, 1536)])
@@ -114,7 +115,7 @@ def test_silu_mul_epilogue_is_bit_exact_with_projection_then_silu_and_mul(m, int
     # and it is act_fn(gate_proj(x)) * up_proj(x) up to the matmuls' bf16 rounding
     gate, up = torch.nn.functional.linear(x, w[:inter]), torch.nn.functional.linear(x, w[inter:])
     want = torch.nn.functional.silu(gate) * up
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
 
 
 def test_gate_up_packing_interleaves_gate_and_up_blocks_of_16():
@@ -154,7 +155,7 @@ def _llama_mlp(hidden, inter, seed):
 
 
 def test_fused_mlp_runs_the_epilogue_on_amx_and_matches_the_stock_mlp():
-    from executor.fused_modules import FusedMLP
+    from executor.cpu.fused_modules import FusedMLP
 
     stock = _llama_mlp(96, 48, 0)
     mlp = FusedMLP(stock)
@@ -164,11 +165,11 @@ def test_fused_mlp_runs_the_epilogue_on_amx_and_matches_the_stock_mlp():
             x = torch.randn(*shape).bfloat16()
             got = mlp(x)
             assert got.shape == shape
-            torch.testing.assert_close(got.float(), stock(x).float(), rtol=2 ** -6, atol=2e-2)
+            torch.testing.assert_close(got.float(), stock(x).float(), rtol=2**-6, atol=2e-2)
 
 
 def test_fused_mlp_without_bf16_kernels_or_with_an_odd_width_keeps_the_two_step_path(monkeypatch):
-    from executor.fused_modules import FusedMLP
+    from executor.cpu.fused_modules import FusedMLP
 
     odd = FusedMLP(_llama_mlp(96, 40, 1))  # I = 40: not a whole number of 16-feature blocks
     assert odd.gate_up is not None and odd.kernel == "amx + silu_and_mul"
@@ -181,12 +182,17 @@ def test_fused_mlp_without_bf16_kernels_or_with_an_odd_width_keeps_the_two_step_
     assert mlp.gate_up is not None and mlp.kernel.endswith("+ silu_and_mul")
     with torch.inference_mode():
         x = torch.randn(9, 96).bfloat16()
-        torch.testing.assert_close(mlp(x).float(), stock(x).float(), rtol=2 ** -6, atol=2e-2)
-        torch.testing.assert_close(odd(x).float(), odd.down(torch.nn.functional.silu(
-            odd.gate_up(x)[:, :40]) * odd.gate_up(x)[:, 40:]).float(), rtol=2 ** -6, atol=2e-2)
+        torch.testing.assert_close(mlp(x).float(), stock(x).float(), rtol=2**-6, atol=2e-2)
+        torch.testing.assert_close(
+            odd(x).float(),
+            odd.down(torch.nn.functional.silu(odd.gate_up(x)[:, :40]) * odd.gate_up(x)[:, 40:]).float(),
+            rtol=2**-6,
+            atol=2e-2,
+        )
 
 
 # ---- amx_linear_argmax: the greedy LM head without the logits ----------------
+
 
 @pytest.mark.parametrize("m", [1, 5, 17, 33, 70])
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (50, 40), (17, 64), (1, 33)])

@@ -11,10 +11,10 @@ import structlog
 import torch
 
 import native._fused as fused
-from executor import gguf_weights
-from executor.fused_modules import FusedMLP
-from executor.gguf_weights import BlockWeight
-from executor.packed_linear import Q4_ROWS_MAX_ROWS, PackedLinear
+from executor.cpu import gguf_weights
+from executor.cpu.fused_modules import FusedMLP
+from executor.cpu.gguf_weights import BlockWeight
+from executor.cpu.packed_linear import Q4_ROWS_MAX_ROWS, PackedLinear
 from tests.native.test_amx_blocks import _bits, _blocks
 
 pytestmark = pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")
@@ -141,6 +141,7 @@ def test_blocks_that_do_not_expand_to_the_weight_are_not_used():
     with structlog.testing.capture_logs() as logs:
         assert gguf_weights.packed_rows(bw, other, "test") is None
     assert any("small-batch" in e["event"] for e in logs)
-    assert torch.equal(_bits(fused.amx_q4_rows_dequant(gguf_weights.packed_rows(bw, bw.dequantize().bfloat16(),
-                                                                                "test"))),
-                       _bits(bw.dequantize().bfloat16()))
+    assert torch.equal(
+        _bits(fused.amx_q4_rows_dequant(gguf_weights.packed_rows(bw, bw.dequantize().bfloat16(), "test"))),
+        _bits(bw.dequantize().bfloat16()),
+    )

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import native._fused as fused
-from executor import packed_linear
-from executor.fused_modules import FusedMLP
-from executor.packed_linear import PackedLinear
+from executor.cpu import packed_linear
+from executor.cpu.fused_modules import FusedMLP
+from executor.cpu.packed_linear import PackedLinear
 from tests.native.helpers import record_rows
 
 pytestmark = pytest.mark.skipif(not fused.avx512_linear_supported(), reason="needs an AVX512-BF16 CPU")
@@ -30,8 +30,7 @@ def _run(x, w, bias=None):
 # cover 1-4 blocks a group, groups plus a remainder, and ragged last blocks;
 # K odd, below one tile and not a multiple of 32.
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (17, 64), (50, 40), (1, 33), (33, 1), (112, 31),
-                                 (80, 577)])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (17, 64), (50, 40), (1, 33), (33, 1), (112, 31), (80, 577)])
 def test_matches_fp32_reference_up_to_bf16_rounding(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -43,14 +42,14 @@ def test_matches_fp32_reference_up_to_bf16_rounding(m, n, k):
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         # fp32 sums in another order, one bf16 rounding of the output: within
         # one bf16 ulp (2^-8 relative) of the exact result, plus summation noise.
-        torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+        torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-3 * k**0.5)
 
 
 def test_prefill_sized_inputs():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(515, 576, generator=g).bfloat16()
     w = torch.randn(200, 576, generator=g).bfloat16()
-    torch.testing.assert_close(_run(x, w).float(), _reference(x, w), rtol=2 ** -7, atol=0.03)
+    torch.testing.assert_close(_run(x, w).float(), _reference(x, w), rtol=2**-7, atol=0.03)
 
 
 def test_agrees_with_onednn_on_model_shapes():
@@ -126,11 +125,11 @@ def test_packed_linear_runs_it_for_every_row_count(monkeypatch):
     with torch.inference_mode():
         for rows in (1, 5, 64, 600):
             x = torch.randn(rows, 64).bfloat16()
-            torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+            torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2**-7, atol=2e-2)
         x = torch.randn(64, 6).bfloat16().T  # a strided view is made contiguous, not rejected
-        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2**-7, atol=2e-2)
         x = torch.randn(2, 3, 64).bfloat16()  # [B, T, H] as transformers' own forward passes it
-        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2 ** -7, atol=2e-2)
+        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=2**-7, atol=2e-2)
     assert calls == [1, 5, 64, 600, 6, 6]
 
 
@@ -147,4 +146,4 @@ def test_fused_mlp_runs_the_silu_mul_epilogue(monkeypatch):
     with torch.inference_mode():
         for rows in (1, 7, 130):
             x = torch.randn(rows, 64).bfloat16()
-            torch.testing.assert_close(fast(x).float(), mlp(x).float(), rtol=2 ** -6, atol=2e-2)
+            torch.testing.assert_close(fast(x).float(), mlp(x).float(), rtol=2**-6, atol=2e-2)

@@ -26,14 +26,14 @@ def test_long_context_decode_matches_reference(dtype, q_len):
     tables = torch.zeros(len(ctx), max(blocks), dtype=torch.int32)
     at = 0
     for i, n in enumerate(blocks):
-        tables[i, :n] = perm[at:at + n]
+        tables[i, :n] = perm[at : at + n]
         at += n
     t = q_len * len(ctx)
     q = torch.randn(t, hq, d, generator=g).to(dtype)
     cu = torch.arange(0, t + 1, q_len, dtype=torch.int32)
     lens = torch.tensor(ctx, dtype=torch.int32)
     out = torch.empty_like(q)
-    native.paged_attention(out, q, kc, vc, tables, cu, lens, d ** -0.5)
+    native.paged_attention(out, q, kc, vc, tables, cu, lens, d**-0.5)
     ref = torch.empty(t, hq, d)
-    torch_ops.paged_attention(ref, q.float(), kc.float(), vc.float(), tables, cu, lens, d ** -0.5)
+    torch_ops.paged_attention(ref, q.float(), kc.float(), vc.float(), tables, cu, lens, d**-0.5)
     assert (out.float() - ref).abs().max().item() <= TOL[dtype]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.native.helpers import SUPPORTED_ISAS, attend, make_batch, reference, tolerance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import native
+from tests.native.helpers import SUPPORTED_ISAS, attend, make_batch, reference, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -26,12 +26,22 @@ def cases(draw):
     ctx_lens = draw(st.lists(st.integers(0, 3 * block_size + 5), min_size=nseq, max_size=nseq))
     dtype = draw(st.sampled_from(DTYPES))
     seed = draw(st.integers(0, 2**16))
-    return dict(q_lens=q_lens, ctx_lens=ctx_lens, hq=hkv * group, hkv=hkv, d=d, block_size=block_size, dtype=dtype, seed=seed)
+    return dict(
+        q_lens=q_lens, ctx_lens=ctx_lens, hq=hkv * group, hkv=hkv, d=d, block_size=block_size, dtype=dtype, seed=seed
+    )
 
 
 def check(case):
-    batch = make_batch(case["q_lens"], case["ctx_lens"], hq=case["hq"], hkv=case["hkv"], d=case["d"],
-                       block_size=case["block_size"], dtype=case["dtype"], seed=case["seed"])
+    batch = make_batch(
+        case["q_lens"],
+        case["ctx_lens"],
+        hq=case["hq"],
+        hkv=case["hkv"],
+        d=case["d"],
+        block_size=case["block_size"],
+        dtype=case["dtype"],
+        seed=case["seed"],
+    )
     scale = case["d"] ** -0.5
     got = attend(batch, scale)
     want = reference(batch, scale)
@@ -50,8 +60,18 @@ def test_matches_reference(isa, case):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_smollm2_mixed_batch(isa, dtype, block_size):
     """Decode, prefill and chunked prefill with context in one call, SmolLM2 heads."""
-    check(dict(q_lens=[1, 70, 0, 33, 1], ctx_lens=[200, 0, 9, 100, 0], hq=9, hkv=3, d=64,
-               block_size=block_size, dtype=dtype, seed=1))
+    check(
+        dict(
+            q_lens=[1, 70, 0, 33, 1],
+            ctx_lens=[200, 0, 9, 100, 0],
+            hq=9,
+            hkv=3,
+            d=64,
+            block_size=block_size,
+            dtype=dtype,
+            seed=1,
+        )
+    )
 
 
 def test_long_prefill_is_split_and_exact(isa):
@@ -89,8 +109,14 @@ def test_empty_batch_and_all_zero_queries(isa):
     native.paged_attention(out, scale=0.1, **batch)
     # No sequences at all.
     native.paged_attention(
-        torch.empty(0, 2, 64), torch.empty(0, 2, 64), torch.zeros(1, 8, 1, 64), torch.zeros(1, 8, 1, 64),
-        torch.zeros(0, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0.1,
+        torch.empty(0, 2, 64),
+        torch.empty(0, 2, 64),
+        torch.zeros(1, 8, 1, 64),
+        torch.zeros(1, 8, 1, 64),
+        torch.zeros(0, 1, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32),
+        0.1,
     )
 
 
@@ -131,8 +157,9 @@ def test_whole_row_and_per_head_items_agree_bitwise(isa):
     """Six decode sequences: whole-row items at one thread (at least a
     sequence per thread), per-KV-head items at eight threads (fewer sequences
     than threads); the arithmetic per head is the same."""
-    batch = make_batch([1] * 6, [30, 150, 7, 513, 64, 1], hq=9, hkv=3, d=64, block_size=16,
-                       dtype=torch.bfloat16, seed=6)
+    batch = make_batch(
+        [1] * 6, [30, 150, 7, 513, 64, 1], hq=9, hkv=3, d=64, block_size=16, dtype=torch.bfloat16, seed=6
+    )
     whole, per_head = run_at_threads(batch, 0.125, 1), run_at_threads(batch, 0.125, 8)
     assert torch.equal(whole, per_head)
     assert (whole.float() - reference(batch, 0.125)).abs().max().item() <= tolerance(torch.bfloat16)
@@ -162,10 +189,18 @@ def _prefill_items_on(isas, d, block_size, logit_scale):
     context, row counts that are not a multiple of 16, decode rows in the same
     call, scores far from 0 for the online softmax across tiles with bf16
     probabilities) on each of `isas` (see _same_on)."""
-    batch = make_batch([300, 1, 37, 5], [0, 150, 260, 40], hq=6, hkv=2, d=d, block_size=block_size,
-                       dtype=torch.bfloat16, seed=d + block_size)
+    batch = make_batch(
+        [300, 1, 37, 5],
+        [0, 150, 260, 40],
+        hq=6,
+        hkv=2,
+        d=d,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        seed=d + block_size,
+    )
     batch["query"] *= logit_scale
-    _same_on(isas, batch, d ** -0.5)
+    _same_on(isas, batch, d**-0.5)
 
 
 @pytest.mark.skipif("amx" not in SUPPORTED_ISAS, reason="needs an AMX-BF16 CPU")
@@ -177,8 +212,10 @@ def test_amx_prefill_items_match_the_reference_and_the_avx512_kernels(d, block_s
     _prefill_items_on(("amx", "avx512"), d, block_size, logit_scale)
 
 
-@pytest.mark.skipif("avx512" not in SUPPORTED_ISAS or "avx2" not in SUPPORTED_ISAS
-                    or not native.cpu_features()["avx512_bf16"], reason="needs an AVX512-BF16 CPU")
+@pytest.mark.skipif(
+    "avx512" not in SUPPORTED_ISAS or "avx2" not in SUPPORTED_ISAS or not native.cpu_features()["avx512_bf16"],
+    reason="needs an AVX512-BF16 CPU",
+)
 @pytest.mark.parametrize("d", [32, 64, 96, 128])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("logit_scale", [1.0, 30.0])
@@ -188,8 +225,10 @@ def test_avx512_bf16_prefill_items_match_the_reference_and_the_fp32_kernels(d, b
     _prefill_items_on(("avx512", "avx2"), d, block_size, logit_scale)
 
 
-@pytest.mark.skipif("avx512" not in SUPPORTED_ISAS or "avx2" not in SUPPORTED_ISAS
-                    or not native.cpu_features()["avx512_bf16"], reason="needs an AVX512-BF16 CPU")
+@pytest.mark.skipif(
+    "avx512" not in SUPPORTED_ISAS or "avx2" not in SUPPORTED_ISAS or not native.cpu_features()["avx512_bf16"],
+    reason="needs an AVX512-BF16 CPU",
+)
 @pytest.mark.parametrize("d", [40, 64])
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 1), (2, 1)])
 @pytest.mark.parametrize("scale", [0.125, 0.1])
@@ -202,7 +241,15 @@ def test_avx512_bf16_decode_scores_match_the_reference_and_the_fp32_kernels(d, h
     groups of 2-4, one- and two-token queries), head dim 40's partly masked
     second half and contexts across chunks and blocks (partly filled
     16-token groups)."""
-    batch = make_batch([1, 1, 2, 1, 1, 1], [0, 15, 33, 100, 517, 64], hq=hq, hkv=hkv, d=d, block_size=16,
-                       dtype=torch.bfloat16, seed=d + hq)
+    batch = make_batch(
+        [1, 1, 2, 1, 1, 1],
+        [0, 15, 33, 100, 517, 64],
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        block_size=16,
+        dtype=torch.bfloat16,
+        seed=d + hq,
+    )
     batch["query"] *= logit_scale
     _same_on(("avx512", "avx2"), batch, scale)

@@ -74,8 +74,14 @@ def test_then_attention_reads_what_was_written(dtype):
     slots = torch.tensor([int(table[0, i // bs]) * bs + i % bs for i in range(40)])
     native.reshape_and_cache(k, v, kc, vc, slots)
     q = torch.randn(40, 4, d).to(dtype)
-    batch = dict(query=q, key_cache=kc, value_cache=vc, block_tables=table,
-                 cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32), seq_lens=torch.tensor([40], dtype=torch.int32))
+    batch = dict(
+        query=q,
+        key_cache=kc,
+        value_cache=vc,
+        block_tables=table,
+        cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32),
+        seq_lens=torch.tensor([40], dtype=torch.int32),
+    )
     out = torch.empty_like(q)
     native.paged_attention(out, scale=0.125, **batch)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -14,11 +14,11 @@ import subprocess
 
 import pytest
 import torch
-from tests.native.helpers import ROOT, make_batch, reference, tolerance
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import native
+from tests.native.helpers import ROOT, make_batch, reference, tolerance
 
 needs_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and native.has_cuda()),
@@ -27,9 +27,7 @@ needs_gpu = pytest.mark.skipif(
 
 
 def _nvcc():
-    return shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
-    )
+    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not installed")
@@ -49,8 +47,12 @@ def cases(draw):
     q_lens = draw(st.lists(st.sampled_from([0, 1, 2, block_size + 3]), min_size=nseq, max_size=nseq))
     ctx_lens = draw(st.lists(st.integers(0, 3 * block_size), min_size=nseq, max_size=nseq))
     return dict(
-        q_lens=q_lens, ctx_lens=ctx_lens, hq=hkv * group, hkv=hkv,
-        d=draw(st.sampled_from([64, 80, 96, 128, 256])), block_size=block_size,
+        q_lens=q_lens,
+        ctx_lens=ctx_lens,
+        hq=hkv * group,
+        hkv=hkv,
+        d=draw(st.sampled_from([64, 80, 96, 128, 256])),
+        block_size=block_size,
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
         seed=draw(st.integers(0, 2**16)),
     )

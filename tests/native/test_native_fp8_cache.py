@@ -10,20 +10,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.native.helpers import SUPPORTED_ISAS, attend, make_batch, reference, tolerance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import native
 from executor.torch_ops import reshape_and_cache as ref_reshape_and_cache
+from tests.native.helpers import SUPPORTED_ISAS, attend, make_batch, reference, tolerance
 
 F8 = torch.float8_e5m2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _check(case):
-    batch = make_batch(case["q_lens"], case["ctx_lens"], hq=case["hq"], hkv=case["hkv"], d=case["d"],
-                       block_size=case["block_size"], dtype=case["dtype"], kv_dtype=F8, seed=case["seed"])
+    batch = make_batch(
+        case["q_lens"],
+        case["ctx_lens"],
+        hq=case["hq"],
+        hkv=case["hkv"],
+        d=case["d"],
+        block_size=case["block_size"],
+        dtype=case["dtype"],
+        kv_dtype=F8,
+        seed=case["seed"],
+    )
     assert batch["key_cache"].dtype == F8
     got = attend(batch, case["d"] ** -0.5)
     want = reference(batch, case["d"] ** -0.5)
@@ -39,11 +48,17 @@ def cases(draw):
     group = draw(st.sampled_from([1, 3, 4]))
     nseq = draw(st.integers(1, 4))
     return dict(
-        q_lens=draw(st.lists(st.sampled_from([0, 1, 2, 5, block_size + 3, 2 * block_size + 1]),
-                             min_size=nseq, max_size=nseq)),
+        q_lens=draw(
+            st.lists(st.sampled_from([0, 1, 2, 5, block_size + 3, 2 * block_size + 1]), min_size=nseq, max_size=nseq)
+        ),
         ctx_lens=draw(st.lists(st.integers(0, 3 * block_size + 5), min_size=nseq, max_size=nseq)),
-        hq=hkv * group, hkv=hkv, d=draw(st.sampled_from([24, 64, 96, 128])), block_size=block_size,
-        dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+        hq=hkv * group,
+        hkv=hkv,
+        d=draw(st.sampled_from([24, 64, 96, 128])),
+        block_size=block_size,
+        dtype=draw(st.sampled_from(DTYPES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -55,15 +70,24 @@ def test_attention_over_an_fp8_cache_matches_the_reference(isa, case):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_smollm2_mixed_batch_over_an_fp8_cache(isa, dtype):
     """Decode (whole-row items), prefill and chunked prefill with context, SmolLM2 heads."""
-    _check(dict(q_lens=[1] * 6 + [70, 33], ctx_lens=[200, 17, 64, 5, 130, 90, 0, 100], hq=9, hkv=3, d=64,
-                block_size=16, dtype=dtype, seed=3))
+    _check(
+        dict(
+            q_lens=[1] * 6 + [70, 33],
+            ctx_lens=[200, 17, 64, 5, 130, 90, 0, 100],
+            hq=9,
+            hkv=3,
+            d=64,
+            block_size=16,
+            dtype=dtype,
+            seed=3,
+        )
+    )
 
 
 def test_amx_prefill_over_an_fp8_cache_agrees_with_the_avx512_kernels():
     if "amx" not in SUPPORTED_ISAS:
         pytest.skip("no AMX-BF16 here")
-    case = dict(q_lens=[150, 40], ctx_lens=[60, 300], hq=9, hkv=3, d=64, block_size=16,
-                dtype=torch.bfloat16, seed=5)
+    case = dict(q_lens=[150, 40], ctx_lens=[60, 300], hq=9, hkv=3, d=64, block_size=16, dtype=torch.bfloat16, seed=5)
     before = native.cpu_features()["isa"]
     try:
         native._set_isa("amx")
@@ -81,8 +105,26 @@ def test_cache_write_rounds_like_torch(isa, dtype):
     bytes torch's float8_e5m2 conversion gives; skipped slots stay untouched."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6000, generator=g) * torch.logspace(-9, 5, 6000)
-    special = [float("nan"), float("inf"), -float("inf"), 65536.0, 61440.0, 61439.0, 57344.0, -57344.0,
-               2.0**-16, 2.0**-17, 3 * 2.0**-17, 2.0**-18, 1e-30, -0.0, 0.0, 1.125, 1.375, -2.5]
+    special = [
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        65536.0,
+        61440.0,
+        61439.0,
+        57344.0,
+        -57344.0,
+        2.0**-16,
+        2.0**-17,
+        3 * 2.0**-17,
+        2.0**-18,
+        1e-30,
+        -0.0,
+        0.0,
+        1.125,
+        1.375,
+        -2.5,
+    ]
     x = torch.cat([x, torch.tensor(special)])
     n = x.numel() // 2 * 2
     key = x[:n].to(dtype).view(-1, 2, 1).expand(-1, 2, 8).contiguous()  # [T, Hkv=2, D=8]

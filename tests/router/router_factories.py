@@ -23,10 +23,17 @@ HUGE_CONTEXT = 1 << 20
 _ids = itertools.count()
 
 
-def make_request(prompt: list[int], max_new_tokens: int = 4, *, request_id: str | None = None,
-                 arrival_time: float = 0.0, priority: int = 0,
-                 expected_output_tokens: int | None = None, cache_salt: str = "",
-                 ignore_eos: bool = False) -> Request:
+def make_request(
+    prompt: list[int],
+    max_new_tokens: int = 4,
+    *,
+    request_id: str | None = None,
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    expected_output_tokens: int | None = None,
+    cache_salt: str = "",
+    ignore_eos: bool = False,
+) -> Request:
     return Request(
         request_id=request_id or f"req-{next(_ids)}",
         prompt_token_ids=list(prompt),
@@ -39,10 +46,20 @@ def make_request(prompt: list[int], max_new_tokens: int = 4, *, request_id: str 
     )
 
 
-def create_requests(num: int, prompt_len: int | list[int] = 4, max_new_tokens: int | list[int] = 4, *,
-                    priorities: list[int] | None = None, expected_output_tokens: list[int | None] | None = None,
-                    arrival_start: float = 0.0, arrival_step: float = 1.0, same_prompt: bool = False,
-                    cache_salt: str = "", ignore_eos: bool = False, prefix: str = "r") -> list[Request]:
+def create_requests(
+    num: int,
+    prompt_len: int | list[int] = 4,
+    max_new_tokens: int | list[int] = 4,
+    *,
+    priorities: list[int] | None = None,
+    expected_output_tokens: list[int | None] | None = None,
+    arrival_start: float = 0.0,
+    arrival_step: float = 1.0,
+    same_prompt: bool = False,
+    cache_salt: str = "",
+    ignore_eos: bool = False,
+    prefix: str = "r",
+) -> list[Request]:
     """num requests named r0, r1, ... arriving arrival_step apart. Prompts are
     distinct (no accidental prefix sharing) unless same_prompt."""
     reqs = []
@@ -51,18 +68,32 @@ def create_requests(num: int, prompt_len: int | list[int] = 4, max_new_tokens: i
         mnt = max_new_tokens[i] if isinstance(max_new_tokens, list) else max_new_tokens
         base = 0 if same_prompt else (i + 1) * 10_000
         prompt = [FIRST_TOKEN + base + j for j in range(plen)]
-        reqs.append(make_request(
-            prompt, mnt, request_id=f"{prefix}{i}", arrival_time=arrival_start + i * arrival_step,
-            priority=priorities[i] if priorities else 0,
-            expected_output_tokens=expected_output_tokens[i] if expected_output_tokens else None,
-            cache_salt=cache_salt, ignore_eos=ignore_eos))
+        reqs.append(
+            make_request(
+                prompt,
+                mnt,
+                request_id=f"{prefix}{i}",
+                arrival_time=arrival_start + i * arrival_step,
+                priority=priorities[i] if priorities else 0,
+                expected_output_tokens=expected_output_tokens[i] if expected_output_tokens else None,
+                cache_salt=cache_salt,
+                ignore_eos=ignore_eos,
+            )
+        )
     return reqs
 
 
-def create_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size: int = 4,
-                     num_swap_blocks: int = 0, enable_prefix_caching: bool = True,
-                     watermark: float = 0.0, max_context: int = HUGE_CONTEXT,
-                     **sched_kwargs) -> Scheduler:
+def create_scheduler(
+    policy: str = "fcfs",
+    *,
+    num_blocks: int = 1000,
+    block_size: int = 4,
+    num_swap_blocks: int = 0,
+    enable_prefix_caching: bool = True,
+    watermark: float = 0.0,
+    max_context: int = HUGE_CONTEXT,
+    **sched_kwargs,
+) -> Scheduler:
     sched_kwargs.setdefault("max_num_seqs", 16)
     sched_kwargs.setdefault("max_num_batched_tokens", 64)
     cfg = SchedulerConfig(policy=policy, **sched_kwargs)
@@ -73,8 +104,10 @@ def create_scheduler(policy: str = "fcfs", *, num_blocks: int = 1000, block_size
 def token_for(req: Request, position: int) -> int:
     """The fake model: a pure function of (prompt, position), so a recomputed
     sequence samples the same tokens again."""
-    h = hashlib.blake2b(struct.pack(f"<{len(req.prompt_token_ids)}i", *req.prompt_token_ids)
-                        + struct.pack("<i", position), digest_size=4).digest()
+    h = hashlib.blake2b(
+        struct.pack(f"<{len(req.prompt_token_ids)}i", *req.prompt_token_ids) + struct.pack("<i", position),
+        digest_size=4,
+    ).digest()
     return FIRST_TOKEN + int.from_bytes(h, "little") % 30_000
 
 
@@ -117,9 +150,15 @@ def step(sched: Scheduler, execute: FakeExecutor | None = None, now: float | Non
     return out
 
 
-def run_to_completion(sched: Scheduler, reqs: list[Request], execute: FakeExecutor | None = None,
-                      max_iters: int = 10_000, now: float = 0.0, dt: float = 0.01,
-                      on_step=None) -> FakeExecutor:
+def run_to_completion(
+    sched: Scheduler,
+    reqs: list[Request],
+    execute: FakeExecutor | None = None,
+    max_iters: int = 10_000,
+    now: float = 0.0,
+    dt: float = 0.01,
+    on_step=None,
+) -> FakeExecutor:
     """Drives schedule/update until every request finished; fails on livelock.
     The clock starts at `now` and advances `dt` per iteration."""
     execute = execute or FakeExecutor()
@@ -136,7 +175,8 @@ def run_to_completion(sched: Scheduler, reqs: list[Request], execute: FakeExecut
     else:
         raise AssertionError(
             f"livelock: {max_iters} iterations, waiting={[r.request_id for r in sched.waiting]} "
-            f"running={[r.request_id for r in sched.running]} swapped={[r.request_id for r in sched.swapped]}")
+            f"running={[r.request_id for r in sched.running]} swapped={[r.request_id for r in sched.swapped]}"
+        )
     return execute
 
 

@@ -22,8 +22,10 @@ def snapshot(bm: BlockManager, reqs) -> tuple:
         bm.num_used_blocks,
         bm.usage(),
         tuple(bm.ref_count(b) for b in range(bm.num_blocks)),
-        tuple((r.request_id, bm.holds(r), tuple(bm.block_ids(r)), bm.num_swapped_blocks(r),
-               bm.can_swap_out(r)) for r in reqs),
+        tuple(
+            (r.request_id, bm.holds(r), tuple(bm.block_ids(r)), bm.num_swapped_blocks(r), bm.can_swap_out(r))
+            for r in reqs
+        ),
         bm.prefix_queries,
         bm.prefix_hits,
     )

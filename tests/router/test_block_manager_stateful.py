@@ -17,21 +17,28 @@ salts = st.sampled_from(["", "", "s1"])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4]),
-                num_swap_blocks=st.integers(0, 6), prefix=st.booleans())
+    @initialize(
+        num_blocks=st.integers(1, 12),
+        block_size=st.sampled_from([1, 2, 4]),
+        num_swap_blocks=st.integers(0, 6),
+        prefix=st.booleans(),
+    )
     def setup(self, num_blocks, block_size, num_swap_blocks, prefix):
         self.bm = BlockManager(num_blocks, block_size, num_swap_blocks, enable_prefix_caching=prefix)
-        self.running = {}   # request_id -> Request (holds device blocks)
-        self.swapped = {}   # request_id -> Request (holds host blocks)
+        self.running = {}  # request_id -> Request (holds device blocks)
+        self.swapped = {}  # request_id -> Request (holds host blocks)
         self.n = 0
 
     # -- helpers ---------------------------------------------------------------
     def snapshot(self):
         bm = self.bm
         reqs = list(self.running.values()) + list(self.swapped.values())
-        return (bm.num_free_blocks, tuple(bm.ref_count(b) for b in range(bm.num_blocks)),
-                tuple((r.request_id, tuple(bm.block_ids(r)), bm.num_swapped_blocks(r)) for r in reqs),
-                tuple(tuple(bm.lookup_prefix(r)) for r in reqs))
+        return (
+            bm.num_free_blocks,
+            tuple(bm.ref_count(b) for b in range(bm.num_blocks)),
+            tuple((r.request_id, tuple(bm.block_ids(r)), bm.num_swapped_blocks(r)) for r in reqs),
+            tuple(tuple(bm.lookup_prefix(r)) for r in reqs),
+        )
 
     def written_blocks_are_private(self, req, start, end):
         bs = self.bm.block_size
@@ -48,7 +55,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.snapshot() == before, "a failed allocation changed the pool"
             assert not self.bm.holds(req)
             return
-        assert self.bm.block_ids(req)[:len(hits)] == hits
+        assert self.bm.block_ids(req)[: len(hits)] == hits
         start = len(hits) * self.bm.block_size
         self.written_blocks_are_private(req, start, chunk)
         req.num_computed_tokens = chunk
@@ -178,6 +185,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 from router.request import Finish, Status
 from router.scheduler import SchedulerOutput
-from tests.router.router_factories import (EOS, FIRST_TOKEN, FakeExecutor, assert_scheduler_empty,
-                                           create_requests, create_scheduler, make_request, run_to_completion,
-                                           step)
+from tests.router.router_factories import (
+    EOS,
+    FIRST_TOKEN,
+    FakeExecutor,
+    assert_scheduler_empty,
+    create_requests,
+    create_scheduler,
+    make_request,
+    run_to_completion,
+    step,
+)
 
 
 def ids(out) -> list[str]:
@@ -116,8 +124,7 @@ def test_max_num_seqs_respected():
 
 def test_sjf_orders_by_hint_else_max_new_tokens():
     sched = create_scheduler("sjf", max_num_seqs=1, sjf_max_wait_s=1000)
-    reqs = create_requests(4, prompt_len=3, max_new_tokens=[50, 8, 30, 20],
-                           expected_output_tokens=[2, None, None, 5])
+    reqs = create_requests(4, prompt_len=3, max_new_tokens=[50, 8, 30, 20], expected_output_tokens=[2, None, None, 5])
     add_all(sched, reqs)
     order = []
     ex = FakeExecutor()
@@ -285,7 +292,7 @@ def test_swap_preemption_swaps_out_then_in():
     assert item.replace_block_table and not item.is_new
     # The host blocks it was swapped out to come back in, in order.
     assert [h for h, _ in out.swap_in] == hosts
-    assert item.new_block_ids[:len(out.swap_in)] == [d for _, d in out.swap_in]
+    assert item.new_block_ids[: len(out.swap_in)] == [d for _, d in out.swap_in]
     assert len(item.new_block_ids) == 2  # swapped block + one for the new token
     assert item.num_tokens == 1
     run_to_completion(sched, reqs, now=4)
@@ -323,16 +330,16 @@ def test_static_batches_admit_only_when_idle():
 
 
 def test_static_batch_survives_swap_preemption_without_admitting_others():
-    sched = create_scheduler("static", static_batch_size=3, num_blocks=4, num_swap_blocks=8,
-                             preemption_mode="swap")
+    sched = create_scheduler("static", static_batch_size=3, num_blocks=4, num_swap_blocks=8, preemption_mode="swap")
     batch = create_requests(3, prompt_len=4, max_new_tokens=4)
     (late,) = create_requests(1, prompt_len=1, max_new_tokens=1, arrival_start=10, prefix="late")
     add_all(sched, batch + [late])
 
     def check(s, out):
         if any(item.req is late for item in out.seqs):
-            assert not any(item.req in batch for item in out.seqs) and not s.swapped, \
+            assert not any(item.req in batch for item in out.seqs) and not s.swapped, (
                 "a request joined a static batch that had not finished"
+            )
 
     run_to_completion(sched, batch + [late], now=11, on_step=check)
     assert_scheduler_empty(sched)
@@ -358,8 +365,7 @@ def test_dynamic_waits_until_full_or_timeout():
 
 
 def test_finish_from_any_state_frees_blocks():
-    sched = create_scheduler("fcfs", num_blocks=4, num_swap_blocks=8, preemption_mode="swap",
-                             max_num_batched_tokens=12)
+    sched = create_scheduler("fcfs", num_blocks=4, num_swap_blocks=8, preemption_mode="swap", max_num_batched_tokens=12)
     reqs = create_requests(3, prompt_len=4, max_new_tokens=5)
     (waiting,) = create_requests(1, prompt_len=4, arrival_start=100, prefix="w")
     (prefilling,) = create_requests(1, prompt_len=30, arrival_start=101, prefix="p")
@@ -484,8 +490,7 @@ def test_priority_preempts_for_a_seat_in_swap_mode():
 
 def test_priority_preempts_for_memory_in_swap_mode():
     # 4 blocks: four low-priority 4-token prompts fill the pool.
-    sched = create_scheduler("priority", num_blocks=4, num_swap_blocks=16, preemption_mode="swap",
-                             max_num_seqs=8)
+    sched = create_scheduler("priority", num_blocks=4, num_swap_blocks=16, preemption_mode="swap", max_num_seqs=8)
     low = create_requests(4, prompt_len=4, max_new_tokens=6)
     add_all(sched, low)
     step(sched, now=0)

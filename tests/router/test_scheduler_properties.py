@@ -9,8 +9,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.request import Status
-from tests.router.router_factories import (FakeExecutor, assert_scheduler_empty, create_scheduler, make_request,
-                              run_to_completion, token_for)
+from tests.router.router_factories import (
+    FakeExecutor,
+    assert_scheduler_empty,
+    create_scheduler,
+    make_request,
+    run_to_completion,
+    token_for,
+)
 
 POLICIES = ["fcfs", "sjf", "priority", "static", "dynamic"]
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -23,17 +29,19 @@ def workloads(draw):
     for i in range(n):
         plen = draw(st.integers(1, 18))
         shared = draw(st.booleans()) and i > 0
-        specs.append(dict(
-            prompt_len=plen,
-            # Some prompts copy the first one's prefix: prefix-cache hits.
-            shared=shared,
-            max_new_tokens=draw(st.integers(1, 10)),
-            priority=draw(st.integers(0, 3)),
-            expected=draw(st.one_of(st.none(), st.integers(1, 10))),
-            arrival=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])) + i * 1e-3,
-            # Iteration at which the request is added (while others run).
-            join=draw(st.sampled_from([0, 0, 1, 2, 4])),
-        ))
+        specs.append(
+            dict(
+                prompt_len=plen,
+                # Some prompts copy the first one's prefix: prefix-cache hits.
+                shared=shared,
+                max_new_tokens=draw(st.integers(1, 10)),
+                priority=draw(st.integers(0, 3)),
+                expected=draw(st.one_of(st.none(), st.integers(1, 10))),
+                arrival=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])) + i * 1e-3,
+                # Iteration at which the request is added (while others run).
+                join=draw(st.sampled_from([0, 0, 1, 2, 4])),
+            )
+        )
     return specs
 
 
@@ -42,11 +50,19 @@ def build(specs):
     for i, s in enumerate(specs):
         if s["shared"]:
             base = reqs[0].prompt_token_ids
-            prompt = (base * 3)[:s["prompt_len"]]
+            prompt = (base * 3)[: s["prompt_len"]]
         else:
             prompt = [10 + 1000 * i + j for j in range(s["prompt_len"])]
-        reqs.append(make_request(prompt, s["max_new_tokens"], request_id=f"q{i}", arrival_time=s["arrival"],
-                                 priority=s["priority"], expected_output_tokens=s["expected"]))
+        reqs.append(
+            make_request(
+                prompt,
+                s["max_new_tokens"],
+                request_id=f"q{i}",
+                arrival_time=s["arrival"],
+                priority=s["priority"],
+                expected_output_tokens=s["expected"],
+            )
+        )
     return reqs
 
 
@@ -90,21 +106,37 @@ class CheckingExecutor(FakeExecutor):
 
 
 @SETTINGS
-@given(specs=workloads(), policy=st.sampled_from(POLICIES), mode=st.sampled_from(["recompute", "swap"]),
-       block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 6),
-       num_swap_blocks=st.integers(0, 12), max_num_seqs=st.integers(1, 4),
-       budget_extra=st.integers(0, 24), threshold=st.sampled_from([0, 0, 1, 3, 8]),
-       prefix=st.booleans())
-def test_run_to_completion_tiny_pool(specs, policy, mode, block_size, extra_blocks, num_swap_blocks,
-                                     max_num_seqs, budget_extra, threshold, prefix):
+@given(
+    specs=workloads(),
+    policy=st.sampled_from(POLICIES),
+    mode=st.sampled_from(["recompute", "swap"]),
+    block_size=st.sampled_from([1, 2, 4]),
+    extra_blocks=st.integers(0, 6),
+    num_swap_blocks=st.integers(0, 12),
+    max_num_seqs=st.integers(1, 4),
+    budget_extra=st.integers(0, 24),
+    threshold=st.sampled_from([0, 0, 1, 3, 8]),
+    prefix=st.booleans(),
+)
+def test_run_to_completion_tiny_pool(
+    specs, policy, mode, block_size, extra_blocks, num_swap_blocks, max_num_seqs, budget_extra, threshold, prefix
+):
     reqs = build(specs)
     # The pool must hold the largest request alone, or it could never finish.
     biggest = max(-(-r.max_total_tokens // block_size) for r in reqs)
     sched = create_scheduler(
-        policy, num_blocks=biggest + extra_blocks, block_size=block_size, num_swap_blocks=num_swap_blocks,
-        enable_prefix_caching=prefix, preemption_mode=mode, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_seqs + budget_extra, long_prefill_token_threshold=threshold,
-        static_batch_size=max_num_seqs, dynamic_max_wait_ms=20)
+        policy,
+        num_blocks=biggest + extra_blocks,
+        block_size=block_size,
+        num_swap_blocks=num_swap_blocks,
+        enable_prefix_caching=prefix,
+        preemption_mode=mode,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + budget_extra,
+        long_prefill_token_threshold=threshold,
+        static_batch_size=max_num_seqs,
+        dynamic_max_wait_ms=20,
+    )
     ex = CheckingExecutor(sched)
     run_to_completion(sched, reqs, ex, max_iters=2000, now=0.0, dt=0.01)
     for r in reqs:
@@ -117,24 +149,40 @@ def test_run_to_completion_tiny_pool(specs, policy, mode, block_size, extra_bloc
 
     # Same mix with a huge pool: identical tokens per request.
     ref = build(specs)
-    big = create_scheduler(policy, num_blocks=4096, block_size=block_size, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_seqs + budget_extra,
-                           static_batch_size=max_num_seqs, dynamic_max_wait_ms=20)
+    big = create_scheduler(
+        policy,
+        num_blocks=4096,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + budget_extra,
+        static_batch_size=max_num_seqs,
+        dynamic_max_wait_ms=20,
+    )
     ref_ex = run_to_completion(big, ref, max_iters=2000)
     assert {r.request_id: ex.produced[r.request_id] for r in reqs} == ref_ex.produced
     assert_scheduler_empty(big)
 
 
 @SETTINGS
-@given(specs=workloads(), policy=st.sampled_from(POLICIES), max_num_seqs=st.integers(1, 4),
-       budget_extra=st.integers(0, 4), threshold=st.sampled_from([0, 0, 2, 5]))
+@given(
+    specs=workloads(),
+    policy=st.sampled_from(POLICIES),
+    max_num_seqs=st.integers(1, 4),
+    budget_extra=st.integers(0, 4),
+    threshold=st.sampled_from([0, 0, 2, 5]),
+)
 def test_decodes_are_served_before_prefill_chunks(specs, policy, max_num_seqs, budget_extra, threshold):
     """With memory to spare, a running sequence that needs one token (a
     decode) is never left out of a plan that carries a prefill chunk."""
     reqs = build(specs)
-    sched = create_scheduler(policy, num_blocks=4096, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_seqs + budget_extra,
-                             long_prefill_token_threshold=threshold, static_batch_size=max_num_seqs)
+    sched = create_scheduler(
+        policy,
+        num_blocks=4096,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + budget_extra,
+        long_prefill_token_threshold=threshold,
+        static_batch_size=max_num_seqs,
+    )
     ex = FakeExecutor()
     now = 0.0
     for it in range(2000):

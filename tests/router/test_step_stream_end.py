@@ -1,7 +1,7 @@
 """The router's StepStream when a write finds the call already over (the
 executor rejected an earlier plan and ended the stream while the next plan
 was being written): the plans in flight fail with the call's own status, a
-ValueError for a rejected plan, as the reader would report it, not with
+PlanRejected for a rejected plan, as the reader would report it, not with
 "RPC already finished" as if the executor had gone away. The call is a
 stand-in here because the race (the reader not yet woken when the write
 fails) cannot be forced on a real channel; tests/integration/
@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from cbserve.v1 import executor_pb2 as pb
-from router.executor_client import ExecutorUnavailable, _StepStream
+from router.executor_client import ExecutorUnavailable, PlanRejected, _StepStream
 
 
 class _EndedCall:
@@ -51,9 +51,9 @@ async def _fail_of(call: _EndedCall) -> tuple[Exception, Exception]:
     return first.exception(), second.exception()
 
 
-def test_a_rejected_plan_is_a_value_error_even_when_the_write_sees_the_end_first():
+def test_a_rejected_plan_is_plan_rejected_even_when_the_write_sees_the_end_first():
     first, second = asyncio.run(_fail_of(_EndedCall(grpc.StatusCode.INVALID_ARGUMENT, "unknown sequence 99")))
-    assert isinstance(first, ValueError) and "99" in str(first)
+    assert isinstance(first, PlanRejected) and "99" in str(first)
     assert isinstance(second, ExecutorUnavailable)  # the stream was already closed for it
 
 

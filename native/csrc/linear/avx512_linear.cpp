@@ -2,9 +2,7 @@
 // without AMX (AMD Zen 4 and later, Intel Cooper Lake).
 //
 // There, oneDNN's prepacked bf16 kernels run the decode-sized shapes well
-// below both roofs: all of SmolLM2's projections at 8 rows of x take ~12 ms
-// on a 2-core Zen 4, where streaming their 212 MB takes ~5-7 and their FLOPs
-// at the vdpbf16ps rate (one 512-bit instruction a cycle and core) ~4. The weights are packed once into the AMX tile layout
+// below both the memory and the vdpbf16ps roofs (docs/native.md). The weights are packed once into the AMX tile layout
 // (amx_pack_weight: [N/16][K/32][16 k-pairs][16 n][2]), which is also the
 // layout VDPBF16PS wants: one k-pair of 16 output features is one 64-byte
 // vector, and one feature block's whole K sweep is contiguous. A register
@@ -37,11 +35,11 @@ namespace cbserve_fused {
 
 namespace {
 
-constexpr int64_t kBlockN = 16;                // output features per block (one vector)
-constexpr int64_t kBlockK = 32;                // K elements per tile of the packed layout
+constexpr int64_t kBlockN = 16;  // output features per block (one vector)
+constexpr int64_t kBlockK = 32;  // K elements per tile of the packed layout
 constexpr int64_t kTileElems = kBlockK * kBlockN;
-constexpr int kMR = 6;                         // rows of x per register block
-constexpr int kNV = 4;                         // feature blocks per register block
+constexpr int kMR = 6;  // rows of x per register block
+constexpr int kNV = 4;  // feature blocks per register block
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -60,23 +58,22 @@ struct Args {
   const uint16_t* bias;  // [N] or null
   uint16_t* y;           // [M, N], or [M, N / 2] with silu
   int64_t M, K, N;
-  int64_t panel;         // elements of one feature block's K sweep
+  int64_t panel;  // elements of one feature block's K sweep
   bool silu;
 };
 
 // acc[r][v] += k-pair p of rows [0, R) of x against blocks [0, NV) of w;
 // LAST: the odd K's final pair, x[K - 1] and the packing's zero.
 template <int R, int NV, bool LAST>
-CB_AVX512BF16 __attribute__((always_inline)) inline void kpair(__m512 (&acc)[R][NV], const uint16_t* w,
-                                                               int64_t panel, const uint16_t* x, int64_t K,
-                                                               int64_t p) {
+CB_AVX512BF16 __attribute__((always_inline)) inline void kpair(__m512 (&acc)[R][NV], const uint16_t* w, int64_t panel,
+                                                               const uint16_t* x, int64_t K, int64_t p) {
   __m512bh wv[NV];
 #pragma GCC unroll 4
   for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * panel + p * 2 * kBlockN);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m512bh xb = (__m512bh)_mm512_set1_epi32(LAST ? static_cast<int32_t>(x[r * K + K - 1])
-                                                         : pair_at(x + r * K, p));
+    const __m512bh xb =
+        (__m512bh)_mm512_set1_epi32(LAST ? static_cast<int32_t>(x[r * K + K - 1]) : pair_at(x + r * K, p));
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xb);
   }
@@ -184,10 +181,8 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const u
   const int64_t nblocks = ceil_div(N, kBlockN);
   // A fixed contiguous share of units per thread (a unit: one block, or a
   // (gate, up) pair). Claiming runs of blocks from an atomic counter, as
-  // amx_linear does, was slower here both alone (SmolLM2's projections at
-  // 16 / 64 rows +5 %) and in the server (cap-128 classic run 315-318 against
-  // 322-333 tok/s): runs of whole 4-block groups split the small layers
-  // unevenly (9 runs for o_proj's 36 blocks).
+  // amx_linear does, was slower here, alone and in the server: runs of whole
+  // 4-block groups split the small layers unevenly.
   const int64_t unit = silu ? 2 : 1;
   at::parallel_for(0, nblocks / unit, 1, [&](int64_t u0, int64_t u1) { blocks(a, u0 * unit, u1 * unit); });
 }

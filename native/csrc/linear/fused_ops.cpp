@@ -108,8 +108,8 @@ inline void rope_row(T* y, const T* x, const T* c, const T* s, int64_t D) {
 // Token t's k and v heads go to row `slots[t]` of k / v ([rows, Hkv, D]; a
 // negative slot skips them), or to row t when `slots` is null.
 template <typename T>
-void rope_split_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v, const int64_t* slots,
-                     int64_t rows, int64_t hq, int64_t hkv, int64_t D) {
+void rope_split_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v, const int64_t* slots, int64_t rows,
+                     int64_t hq, int64_t hkv, int64_t D) {
   const int64_t width = (hq + 2 * hkv) * D;
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t t = r0; t < r1; ++t) {
@@ -151,8 +151,8 @@ using cbserve_fused::round_bf16;
 using cbserve_fused::silu_mul;
 using cbserve_fused::store_bf16;
 
-CB_AVX512BF16 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
-                                      int64_t r0, int64_t r1, int64_t h, float eps) {
+CB_AVX512BF16 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w, int64_t r0,
+                                      int64_t r1, int64_t h, float eps) {
   for (int64_t r = r0; r < r1; ++r) {
     const c10::BFloat16* xr = x + r * h;
     c10::BFloat16* orow = out + r * h;
@@ -177,8 +177,8 @@ CB_AVX512BF16 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x
   }
 }
 
-void rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
-                          int64_t rows, int64_t h, float eps) {
+void rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows, int64_t h,
+                          float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { rms_norm_bf16_rows(out, x, w, r0, r1, h, eps); });
 }
 
@@ -210,8 +210,8 @@ CB_AVX512BF16 void add_rows_bf16(c10::BFloat16* res, const c10::BFloat16* x, int
   }
 }
 
-void add_rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, c10::BFloat16* res,
-                              const c10::BFloat16* w, int64_t rows, int64_t h, float eps) {
+void add_rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, c10::BFloat16* res, const c10::BFloat16* w,
+                              int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     add_rows_bf16(res, x, r0, r1, h);
     rms_norm_bf16_rows(out, res, w, r0, r1, h, eps);
@@ -299,14 +299,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   if (rows == 0) return out;
 #if CB_FUSED_X86
   if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
-    rms_norm_bf16_avx512(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
-                         weight.data_ptr<c10::BFloat16>(), rows, h, static_cast<float>(eps));
+    rms_norm_bf16_avx512(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
+                         rows, h, static_cast<float>(eps));
     return out;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                            rows, h, static_cast<float>(eps));
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows, h,
+                            static_cast<float>(eps));
   });
   return out;
 }
@@ -338,8 +338,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 
 // residual += x (in place, in the model dtype); returns RMSNorm(residual).
 //   x, residual [..., H] same shape/dtype, contiguous; weight [H]
-torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
-                           double eps) {
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
   check_norm_args(x, weight);
   check_row_major(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
@@ -371,8 +370,7 @@ void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const t
   check_row_major(qkv, "qkv");
   check_row_major(cos, "cos");
   check_row_major(sin, "sin");
-  TORCH_CHECK(hq > 0 && hkv > 0 && head_dim > 0 && head_dim % 2 == 0,
-              "need positive head counts and an even head_dim");
+  TORCH_CHECK(hq > 0 && hkv > 0 && head_dim > 0 && head_dim % 2 == 0, "need positive head counts and an even head_dim");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * head_dim, "qkv must be [T, (Hq + 2 Hkv) * D]");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
               "cos and sin must be [T, head_dim]");
@@ -403,8 +401,8 @@ void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::T
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_split", [&] {
     rope_split_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                              q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots, T, hq,
-                              hkv, head_dim);
+                              q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots, T, hq, hkv,
+                              head_dim);
   });
 }
 
@@ -513,8 +511,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack_gate_up", &cbserve_fused::amx_pack_gate_up, py::arg("gate_up"),
         "gate_up [2I, K] bf16 (gate rows then up rows, I a multiple of 16) -> the AMX tile layout "
         "amx_linear_silu_mul reads.");
-  m.def("amx_linear_silu_mul", &cbserve_fused::amx_linear_silu_mul, py::arg("x"), py::arg("packed"),
-        py::arg("inter"), py::call_guard<py::gil_scoped_release>(),
+  m.def("amx_linear_silu_mul", &cbserve_fused::amx_linear_silu_mul, py::arg("x"), py::arg("packed"), py::arg("inter"),
+        py::call_guard<py::gil_scoped_release>(),
         "silu(x @ gate^T) * (x @ up^T) [M, inter] in bf16 on AMX tiles, weights packed by amx_pack_gate_up; "
         "AMX-BF16 CPUs only (see amx_linear_supported).");
   m.def("amx_linear_argmax", &cbserve_fused::amx_linear_argmax, py::arg("x"), py::arg("packed"),

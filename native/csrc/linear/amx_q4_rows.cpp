@@ -9,9 +9,8 @@
 // and one conversion, and a single vpermw looks all 32 weights up (the index
 // is the nibble; vpermw reads the low five bits of each word, so the table is
 // held twice). Per 16 x 32 tile that is ~80 vector instructions instead of
-// ~140, and the expansion is what a small batch's step waits for (SmolLM2
-// decode at batch 4: 60 % of the step in expanding and multiplying Q4_1
-// tiles). The values are bit-identical to amx_linear's: bf16(fma(q, d, m)).
+// ~140, and the expansion is what a small batch's step waits for
+// (docs/native.md). The values are bit-identical to amx_linear's: bf16(fma(q, d, m)).
 //
 // The price is a transposed output: each pair of column blocks ends with
 // fp32 tiles C[feature][token] that the epilogue turns into rows of y.
@@ -48,10 +47,10 @@ bool amx_linear_supported();
 
 namespace {
 
-constexpr int64_t kTile = 16;         // features per column block, tokens per xᵀ tile, k-pairs per tile
-constexpr int64_t kBlockK = 32;       // weights per GGUF block = k per tile
-constexpr int64_t kTileBytes = 320;   // 256 bytes of nibbles, d[16], m[16] fp16
-constexpr int64_t kTileWords = 512;   // one bf16 tile (1 KB)
+constexpr int64_t kTile = 16;        // features per column block, tokens per xᵀ tile, k-pairs per tile
+constexpr int64_t kBlockK = 32;      // weights per GGUF block = k per tile
+constexpr int64_t kTileBytes = 320;  // 256 bytes of nibbles, d[16], m[16] fp16
+constexpr int64_t kTileWords = 512;  // one bf16 tile (1 KB)
 
 #if CB_FUSED_X86
 // One A tile [16 features][32 k] of bf16 from its packed Q4_1 form.
@@ -127,8 +126,8 @@ CB_AMX void finish_pass(const float* acc, const PassOut& out, int64_t N, int64_t
 // xᵀ tiles m-tile `t0` (and t0 + 1 with `two_m`) of each k-block. The
 // previous pass's epilogue runs once this one's tiles are issued (its
 // accumulators have long left the tile stores), and this one becomes `pending`.
-CB_AMX void pair_pass(const uint16_t* w, const uint8_t* q, uint16_t* buf, const uint32_t* xt, int64_t xstep,
-                      int64_t t0, bool two_m, int64_t kblocks, const PassOut& out, float (*acc)[4][256], int& slot,
+CB_AMX void pair_pass(const uint16_t* w, const uint8_t* q, uint16_t* buf, const uint32_t* xt, int64_t xstep, int64_t t0,
+                      bool two_m, int64_t kblocks, const PassOut& out, float (*acc)[4][256], int& slot,
                       PassOut& pending, int64_t N, int64_t silu_inter, uint16_t* y) {
   if (q != nullptr) {
     expand_tile(q, buf);
@@ -180,8 +179,8 @@ CB_AMX void pair_pass(const uint16_t* w, const uint8_t* q, uint16_t* buf, const 
 // tiles are expanded once (up to 8 pairs: 288 KB at K = 576, 768 KB at 1536,
 // in L2) and every 32-token pass reads them from there. Tiles: 0-3
 // C[token tile][block], 4-5 xᵀ token tiles, 6-7 the pair's two weight tiles.
-CB_AMX void run_rows(const uint8_t* packed, const uint32_t* xt, int64_t M, int64_t N, int64_t kblocks,
-                     int64_t npairs, std::atomic<int64_t>& next, int64_t chunk, int64_t silu_inter, uint16_t* y) {
+CB_AMX void run_rows(const uint8_t* packed, const uint32_t* xt, int64_t M, int64_t N, int64_t kblocks, int64_t npairs,
+                     std::atomic<int64_t>& next, int64_t chunk, int64_t silu_inter, uint16_t* y) {
   const cbserve_amx::TileConfig16x64 cfg;
   _tile_loadconfig(&cfg);
   alignas(64) uint16_t buf[2 * 2 * kTileWords];
@@ -200,8 +199,8 @@ CB_AMX void run_rows(const uint8_t* packed, const uint32_t* xt, int64_t M, int64
     const int64_t p1 = std::min(p0 + chunk, npairs);
     if (M <= 2 * kTile) {
       for (int64_t p = p0; p < p1; ++p)
-        pair_pass(nullptr, packed + p * pair_bytes, buf, xt, xstep, 0, M > kTile, kblocks, PassOut{p, 0, M}, acc,
-                  slot, pending, N, silu_inter, y);
+        pair_pass(nullptr, packed + p * pair_bytes, buf, xt, xstep, 0, M > kTile, kblocks, PassOut{p, 0, M}, acc, slot,
+                  pending, N, silu_inter, y);
       continue;
     }
     const uint8_t* src = packed + p0 * pair_bytes;
@@ -262,9 +261,9 @@ torch::Tensor amx_q4_rows_linear(const torch::Tensor& x, const torch::Tensor& pa
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CPU bf16 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(N % (2 * kTile) == 0 && packed.size(0) == N / (2 * kTile) && K % kBlockK == 0 &&
-                  packed.size(1) == K / kBlockK,
-              "packed does not hold a [", N, ", ", K, "] weight");
+  TORCH_CHECK(
+      N % (2 * kTile) == 0 && packed.size(0) == N / (2 * kTile) && K % kBlockK == 0 && packed.size(1) == K / kBlockK,
+      "packed does not hold a [", N, ", ", K, "] weight");
   TORCH_CHECK(silu_inter == 0 || 2 * silu_inter == N, "silu_inter must be half of out_features");
   auto y = torch::empty({M, silu_inter > 0 ? silu_inter : N}, x.options());
   if (M == 0) return y;

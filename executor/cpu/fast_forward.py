@@ -1,10 +1,10 @@
 """A lean forward of the Llama decoder stack for the bf16 CPU executor.
 
-The transformers layer code costs about 25 ATen/Python calls per layer:
-separate q/k/v projections, rotary embedding as six element-wise ops on each
-of q and k, transposes to and from the attention layout, and residual adds.
-At decode sizes these calls, not the arithmetic, are a large part of a step.
-This forward runs the same weights in eight calls per layer:
+The transformers layer code costs about 25 ATen/Python calls per layer
+(separate q/k/v projections, rotary embedding as element-wise ops, transposes,
+residual adds); at decode sizes the calls, not the arithmetic, dominate. This
+forward runs the same weights in eight calls per layer (what that buys:
+docs/native.md):
 
     h  = add_rms_norm(x, residual)        # residual += x; RMSNorm
     qkv = qkv_proj(h)                     # one prepacked matmul for q, k and v
@@ -14,15 +14,7 @@ This forward runs the same weights in eight calls per layer:
     h  = add_rms_norm(o, residual)
     x  = down(act(h))                     # FusedMLP: gate|up matmul with SiLU-mul, down
 
-Given the rows that sample (`SampledRows`), the last layer computes q, k and v
-for every row (the cache needs every row's k and v) but attention, o_proj and
-the MLP only for the sampled rows, and the forward returns only their hidden
-states: a prompt chunk's other rows feed nothing after the last layer's cache
-write. That is 2.8 % of a SmolLM2 prefill's projection FLOPs (the last of 30
-layers less its q|k|v); a sampled row's last-layer attention then runs as a
-one-token query over its whole context, as its later decode steps do.
-
-with the rounding points of the Hugging Face modules (every bf16 product and
+It keeps the rounding points of the Hugging Face modules (every bf16 product and
 sum rounded where the model's code rounds it), so its greedy output matches
 the transformers forward. With the 'torch' attention backend the rotated k
 and v go through that backend's reshape_and_cache instead (rope_split), so
@@ -30,6 +22,13 @@ the reference backend stays a reference for the cache write too. Used only
 where `fuse_llama_blocks` applied (bf16 on AVX-512 bf16 CPUs) and the model
 is a plain Llama; otherwise the runner calls the transformers model with the
 registered paged-attention function.
+
+Given the rows that sample (`SampledRows`), the last layer computes q, k and v
+for every row (the cache needs every row's k and v) but attention, o_proj and
+the MLP only for the sampled rows, and the forward returns only their hidden
+states: a prompt chunk's other rows feed nothing after the last layer's cache
+write. A sampled row's last-layer attention then runs as a one-token query
+over its whole context, as its later decode steps do.
 """
 
 from __future__ import annotations
@@ -41,9 +40,9 @@ import structlog
 import torch
 
 from executor.attention import AttnMetadata
-from executor.fused_modules import FusedMLP, FusedRMSNorm
-from executor.gguf_weights import blocks_of
-from executor.packed_linear import PackedLinear
+from executor.cpu.fused_modules import FusedMLP, FusedRMSNorm
+from executor.cpu.gguf_weights import blocks_of
+from executor.cpu.packed_linear import PackedLinear
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -109,9 +108,16 @@ class LeanLlamaForward:
         self.hkv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layers = [
-            _Layer(i, layer.input_layernorm, layer.post_attention_layernorm, float(layer.self_attn.scaling),
-                   _fused_qkv(layer.self_attn).forward, layer.self_attn.o_proj.forward,
-                   layer.mlp.act, layer.mlp.down.forward)
+            _Layer(
+                i,
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                float(layer.self_attn.scaling),
+                _fused_qkv(layer.self_attn).forward,
+                layer.self_attn.o_proj.forward,
+                layer.mlp.act,
+                layer.mlp.down.forward,
+            )
             for i, layer in enumerate(inner.layers)
         ]
 
@@ -120,8 +126,9 @@ class LeanLlamaForward:
         projections are not part of the model)."""
         return [f.__self__ for L in self.layers for f in (L.qkv, L.o_proj, L.act, L.down)]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                 sampled: SampledRows | None = None) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, sampled: SampledRows | None = None
+    ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, H], or
         [S, H] for the sampled rows alone where `sampled` is given."""
         residual = self.embed(input_ids)
@@ -143,8 +150,7 @@ class LeanLlamaForward:
                 h = self._add_rms_norm(x, residual, L.in_norm.weight, L.in_norm.eps)
             kc, vc = cache.key[L.index], cache.value[L.index]
             if fused_write:
-                q = self._rope_cache(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim, kc, vc,
-                                     meta.slot_mapping)
+                q = self._rope_cache(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim, kc, vc, meta.slot_mapping)
             else:
                 q, k, v = self._rope_split(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim)
                 write_kv(k, v, kc, vc, meta.slot_mapping)
@@ -177,10 +183,12 @@ def build(model: torch.nn.Module) -> LeanLlamaForward | None:
         return None
     for layer in layers:
         attn = layer.self_attn
-        if not (isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.post_attention_layernorm,
-                                                                               FusedRMSNorm)
-                and isinstance(layer.mlp, FusedMLP)
-                and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))):
+        if not (
+            isinstance(layer.input_layernorm, FusedRMSNorm)
+            and isinstance(layer.post_attention_layernorm, FusedRMSNorm)
+            and isinstance(layer.mlp, FusedMLP)
+            and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
+        ):
             return None
     try:
         fwd = LeanLlamaForward(model)

@@ -4,12 +4,10 @@ the KV pool (executor/kv_cache.py) and the model's weights.
 A decode step reads every weight once and each sequence's K/V blocks. On
 4 KB pages those reads keep walking page tables (SmolLM2's 96 MB of packed
 block weights are 24k pages, far more than the TLBs hold) and the hardware
-prefetcher stops at every page boundary. 2 MB pages take both away: with the
-weights on them (measured first with glibc's `glibc.malloc.hugetlb=1`
-tunable, which puts every malloc'd block there) a whole decode step alone
-went 9.1 -> 8.3 ms at batch 1, 11.3 -> 10.3 at batch 8, 15.6 -> 14.7 at
-batch 20 (SmolLM2, two cores, two interleaved pairs). Where the kernel offers no transparent huge pages (`never`) the same
-mappings get 4 KB pages and nothing else changes.
+prefetcher stops at every page boundary. 2 MB pages take both away (what that
+buys a decode step: docs/operations.md, "Memory"). Where the kernel offers no
+transparent huge pages (`never`) the same mappings get 4 KB pages and nothing
+else changes.
 """
 
 from __future__ import annotations
@@ -39,8 +37,12 @@ def movable(t: torch.Tensor, min_bytes: int = 1 << 16) -> bool:
     """Whether t is a dense CPU tensor over a storage of `min_bytes` or more.
     Opaque tensors (oneDNN's prepacked weights on CPUs without AMX) have no
     storage to move and stay where oneDNN put them."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
-            and t.untyped_storage().nbytes() >= min_bytes)
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.is_mkldnn
+        and t.untyped_storage().nbytes() >= min_bytes
+    )
 
 
 def _storages(tensors: Iterable[torch.Tensor], min_bytes: int) -> dict[int, list[torch.Tensor]]:
@@ -76,7 +78,7 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor], min_bytes: int = 1 << 16
     for ptr, views in groups.items():
         off, n = offsets[ptr], sizes[ptr]
         old = torch.empty(0, dtype=torch.uint8).set_(views[0].untyped_storage())
-        arena[off:off + n].copy_(old)
+        arena[off : off + n].copy_(old)
         del old
         for t in views:
             elem = t.element_size()

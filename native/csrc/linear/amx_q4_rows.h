@@ -7,7 +7,7 @@
 namespace cbserve_fused {
 
 // y [M, N] = x [M, K] · wᵀ, bf16, with w as Q4_1 blocks in the
-// feature-major layout of executor/gguf_weights.py (BlockWeight.pack_rows:
+// feature-major layout of executor/cpu/gguf_weights.py (BlockWeight.pack_rows:
 // uint8 [N/32, K/32, 2, 320], N a multiple of 32), each weight expanded to
 // bf16(d * q + m) exactly as amx_linear expands its blocks. With
 // silu_inter > 0 the rows are gate and up blocks of 16 interleaved (as for

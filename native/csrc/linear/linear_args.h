@@ -12,9 +12,9 @@ namespace cbserve_fused {
 // The raw bf16 data of an optional bias of n_out features (nullptr without one).
 inline const uint16_t* bf16_bias(const c10::optional<torch::Tensor>& bias, int64_t n_out) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1 &&
-                  bias->size(0) == n_out,
-              "bias must be a contiguous bf16 [N] tensor (N = output features)");
+  TORCH_CHECK(
+      bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n_out,
+      "bias must be a contiguous bf16 [N] tensor (N = output features)");
   return reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
 }
 
@@ -23,8 +23,8 @@ inline const uint16_t* bf16_bias(const c10::optional<torch::Tensor>& bias, int64
 inline void check_bf16_tiles(const torch::Tensor& packed, int64_t n_features, int64_t k) {
   TORCH_CHECK(packed.dim() == 5 && packed.size(0) == (n_features + 15) / 16 && packed.size(1) == (k + 31) / 32 &&
                   packed.size(2) == 16 && packed.size(3) == 16 && packed.size(4) == 2,
-              "packed must come from amx_pack_weight (or amx_pack_gate_up) of a weight with x's K and ",
-              n_features, " output features");
+              "packed must come from amx_pack_weight (or amx_pack_gate_up) of a weight with x's K and ", n_features,
+              " output features");
 }
 
 }  // namespace cbserve_fused

@@ -5,28 +5,21 @@ kernels on every call; for decode-sized batches that costs as much as the
 matmul itself. Packing once at load time removes it. Modules are swapped, not
 rewritten: the transformers model code runs unchanged.
 
-Which kernel runs, by CPU and rows of x (`make bench-kernels` measures them):
+Which kernel runs, by CPU and rows of x (`make bench-kernels` measures them;
+the numbers behind each choice are in docs/native.md, "Linear layers"):
 - AMX-BF16 CPUs (Sapphire Rapids and later): native `amx_linear` over weights
-  packed into its tile layout, up to `AMX_MAX_ROWS` rows. A decode step streams
-  every weight from memory once; this kernel streams them at 20-22 GB/s from 1
-  to 16 rows, where oneDNN's prepacked kernel reaches 13-16 (all of SmolLM2's
-  projections at 8 rows: 12.6 vs 16.9 ms). A GGUF Q4_1 layer also keeps its
-  blocks in the feature-major layout of `amx_q4_rows_linear`, which expands
-  them ~1.5x cheaper and runs up to `Q4_ROWS_MAX_ROWS` rows (SmolLM2's 120
-  Q4_1 projections at 1-32 rows: 1.09-1.16x faster; a decode step at batch 1 /
-  4 / 16: -3 to -7 / -5 / -2 to -5 %), at the cost of a second copy of the
-  4-bit blocks (66 MB for SmolLM2). Above `AMX_MAX_ROWS` (long prefill chunks),
-  plain `F.linear`, which beats both there; no oneDNN copy of the weights is
-  kept. (FusedMLP packs its gate|up projection itself, for the
-  SiLU-and-mul epilogue of `amx_linear_silu_mul`.)
+  packed into its tile layout, up to `AMX_MAX_ROWS` rows: a decode step
+  streams every weight from memory once, and this kernel streams them faster
+  than oneDNN's prepacked kernel. A GGUF Q4_1 layer also keeps its blocks in
+  the feature-major layout of `amx_q4_rows_linear`, which expands them more
+  cheaply and runs up to `Q4_ROWS_MAX_ROWS` rows, at the cost of a second copy
+  of the 4-bit blocks. Above `AMX_MAX_ROWS` (long prefill chunks), plain
+  `F.linear`, which beats both there; no oneDNN copy of the weights is kept.
+  (FusedMLP packs its gate|up projection itself, for the SiLU-and-mul
+  epilogue of `amx_linear_silu_mul`.)
 - Other AVX512-BF16 CPUs (AMD Zen 4, Intel Cooper Lake): native
   `avx512_linear` (VDPBF16PS dot products) over the same tile layout, for
-  any number of rows. On a 2-core Zen 4, all of SmolLM2's projections back to
-  back (weights from memory) took 6.8 / 7.8 / 11.0 / 34.2 / 254 ms at 1 / 8 /
-  16 / 64 / 512 rows against 11.3-12.4 / 11.6-12.1 / 14.6-15.2 / 39.4 / 265
-  ms for oneDNN's prepacked kernel (and 8.2 ms at one row for the earlier
-  skinny_linear, dot products over the plain weight rows, which it replaced);
-  no oneDNN copy of the weights is kept.
+  any number of rows; no oneDNN copy of the weights is kept.
 - Anything else bf16 with oneDNN: the prepacked kernel.
 """
 
@@ -37,12 +30,13 @@ import torch
 
 _LOGGER = structlog.get_logger(__name__)
 
-# Rows up to which `amx_linear` beats plain F.linear (measured: equal near 350).
+# Rows up to which `amx_linear` beats plain F.linear (the crossover sits a
+# little above; docs/native.md).
 AMX_MAX_ROWS = 320
 # Rows up to which GGUF Q4_1 layers run `amx_q4_rows_linear` over their
 # second, feature-major copy of the blocks. It takes any number of rows and
-# beats amx_linear kernel against kernel at every count (1.02-1.16x), but in
-# a whole decode step only up to about here: batch 64 ran 2 % slower.
+# beats amx_linear kernel against kernel, but in a whole decode step only up
+# to about here (docs/native.md).
 Q4_ROWS_MAX_ROWS = 32
 
 
@@ -88,7 +82,7 @@ class PackedLinear(torch.nn.Module):
         self._amx_argmax = None
         self.packed_rows = None
         if amx is not None:
-            from executor.gguf_weights import blocks_of, packed_rows, packed_tiles
+            from executor.cpu.gguf_weights import blocks_of, packed_rows, packed_tiles
 
             pack, self._amx = amx
             # A GGUF layer's 4/8-bit blocks where they expand to exactly these
@@ -109,7 +103,7 @@ class PackedLinear(torch.nn.Module):
         """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
         blocks), "avx512" or "onednn"."""
         if self._amx is not None:
-            from executor.gguf_weights import packed_kind
+            from executor.cpu.gguf_weights import packed_kind
 
             kind = packed_kind(self.packed)
             return "amx" if kind is None else f"amx-{kind}"
@@ -144,7 +138,6 @@ class PackedLinear(torch.nn.Module):
             out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return out if flat else out.reshape(*x.shape[:-1], self.out_features)
 
-
     def greedy_argmax(self, x: torch.Tensor) -> list[int] | None:
         """argmax(forward(x), -1) without writing the [rows, out_features]
         output (the greedy LM head: 64 x 49152 logits are 6.3 MB), where the
@@ -155,8 +148,12 @@ class PackedLinear(torch.nn.Module):
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def prepack_linears(model: torch.nn.Module, batch_hint: int = 64) -> int:

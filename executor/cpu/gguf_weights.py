@@ -6,7 +6,7 @@ as Q8_0 (w = d * q, 8-bit q). transformers dequantises them in fp32 and the
 bf16 model rounds each weight once: so bf16(d * q + m) *is* the model cbserve
 serves. A bf16 decode step streams 2 bytes per weight from memory; these
 blocks take 5/8 (Q4_1) and 8.5/8 (Q8_0) bits, and the AMX kernels expand them
-on the fly to exactly the same bf16 tiles (native/csrc/fused/amx_linear.cpp).
+on the fly to exactly the same bf16 tiles (native/csrc/linear/amx_linear.cpp).
 Same weights, same outputs, a third of the bytes a step reads.
 
 Every tensor is checked at load: its expansion must equal the loaded bf16
@@ -34,9 +34,15 @@ ENV_SWITCH = "CBSERVE_GGUF_BLOCKS"
 ROWS_SWITCH = "CBSERVE_Q4_ROWS"
 
 # GGUF tensor (per layer) -> the Hugging Face Llama module it becomes.
-_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 @dataclass
@@ -141,7 +147,7 @@ _TILE_KIND = {320: "q4_1", 544: "q8_0"}
 
 
 def packed_kind(packed: torch.Tensor) -> str | None:
-    """"q4_1" / "q8_0" for packed GGUF blocks, None for bf16 tiles."""
+    """ "q4_1" / "q8_0" for packed GGUF blocks, None for bf16 tiles."""
     return _TILE_KIND.get(packed.shape[-1]) if packed.dtype == torch.uint8 else None
 
 
@@ -154,8 +160,12 @@ def _blocks(tensor) -> BlockWeight | None:
         b = raw.view(n, -1, 20)
         qs = b[..., 4:]
         q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, -1)  # low nibbles: k 0..15, high: 16..31
-        return BlockWeight(kind, q, b[..., 0:2].contiguous().view(torch.float16)[..., 0],
-                           b[..., 2:4].contiguous().view(torch.float16)[..., 0])
+        return BlockWeight(
+            kind,
+            q,
+            b[..., 0:2].contiguous().view(torch.float16)[..., 0],
+            b[..., 2:4].contiguous().view(torch.float16)[..., 0],
+        )
     if kind == "q8_0":
         b = raw.view(n, -1, 34)
         q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
@@ -206,7 +216,7 @@ def enabled() -> bool:
 
 def supported() -> bool:
     """Whether the kernels that read blocks run here (AMX-BF16 CPUs)."""
-    from executor.packed_linear import amx_ops
+    from executor.cpu.packed_linear import amx_ops
 
     return amx_ops() is not None
 
@@ -223,8 +233,12 @@ def attach(model: torch.nn.Module, gguf_path: str) -> int:
     n = 0
     for name, bw in blocks.items():
         mod = modules.get(name)
-        if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.bfloat16 \
-                and tuple(mod.weight.shape) == bw.shape and bw.shape[0] % TILE_N == 0:
+        if (
+            isinstance(mod, torch.nn.Linear)
+            and mod.weight.dtype == torch.bfloat16
+            and tuple(mod.weight.shape) == bw.shape
+            and bw.shape[0] % TILE_N == 0
+        ):
             mod.cbserve_blocks = bw
             n += 1
     return n

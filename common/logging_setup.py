@@ -13,8 +13,8 @@ def configure_logging(level: str = "info", fmt: str = "auto", process: str = "ro
     lvl = getattr(logging, level.upper(), logging.INFO)
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = (structlog.dev.ConsoleRenderer(colors=False) if fmt == "console"
-                else structlog.processors.JSONRenderer())
+    renderer = structlog.dev.ConsoleRenderer(colors=False) if fmt == "console" else structlog.processors.JSONRenderer()
+
     def add_process(logger, method, event_dict):
         event_dict.setdefault("process", process)
         return event_dict
@@ -36,9 +36,12 @@ def configure_logging(level: str = "info", fmt: str = "auto", process: str = "ro
     # Records of stdlib loggers (grpc, asyncio, transformers) go through the
     # same processors and renderer, so a JSON log stays one JSON object a line.
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(lvl, logging.WARNING))

@@ -15,7 +15,7 @@ torch::Tensor amx_pack_weight(const torch::Tensor& weight);
 
 // y [M, N] = x [M, K] · weightᵀ (+ bias [N]), bf16, with `packed` from
 // amx_pack_weight, or a weight's GGUF Q4_1 / Q8_0 blocks as uint8 [N/16,
-// K/32, 320 / 544] (executor/gguf_weights.py), expanded to the same bf16 tiles
+// K/32, 320 / 544] (executor/cpu/gguf_weights.py), expanded to the same bf16 tiles
 // on the fly (the packed argument of the three kernels below takes either).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                          const c10::optional<torch::Tensor>& bias);

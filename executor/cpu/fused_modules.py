@@ -14,8 +14,8 @@ from __future__ import annotations
 import structlog
 import torch
 
-from executor import packed_linear
-from executor.packed_linear import PackedLinear, supported
+from executor.cpu import packed_linear
+from executor.cpu.packed_linear import PackedLinear, supported
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -70,7 +70,7 @@ class FusedMLP(torch.nn.Module):
             if packed_linear.amx_ops() is None:  # avx512_linear_silu_mul: bf16 tiles only
                 self.packed_gate_up = pack(w)
             else:
-                from executor.gguf_weights import blocks_of, packed_rows, packed_tiles
+                from executor.cpu.gguf_weights import blocks_of, packed_rows, packed_tiles
 
                 # amx_pack_gate_up's row order: gate block j, then up block j (16 rows each).
                 order = torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1)
@@ -89,7 +89,7 @@ class FusedMLP(torch.nn.Module):
         "avx512_linear_silu_mul" or "<gate_up kernel> + silu_and_mul"."""
         if self.gate_up is not None:
             return f"{self.gate_up.kernel} + silu_and_mul"
-        from executor.gguf_weights import packed_kind
+        from executor.cpu.gguf_weights import packed_kind
 
         kind = packed_kind(self.packed_gate_up)
         name = self._gate_up_silu.__name__
@@ -140,15 +140,21 @@ def fuse_llama_blocks(model: torch.nn.Module) -> int:
             layer.mlp = FusedMLP(layer.mlp)
     model.model.norm = FusedRMSNorm(model.model.norm)
     mlp = layers[0].mlp if len(layers) else None
-    _LOGGER.info("fused RMSNorm and MLP", layers=len(layers),
-                 mlp_kernel=mlp.kernel if isinstance(mlp, FusedMLP) else "transformers")
+    _LOGGER.info(
+        "fused RMSNorm and MLP",
+        layers=len(layers),
+        mlp_kernel=mlp.kernel if isinstance(mlp, FusedMLP) else "transformers",
+    )
     return len(layers)
 
 
 def _is_llama_like(model: torch.nn.Module) -> bool:
     try:
         layer = model.model.layers[0]
-        return all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) and \
-            hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm")
+        return (
+            all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            and hasattr(layer, "input_layernorm")
+            and hasattr(layer, "post_attention_layernorm")
+        )
     except (AttributeError, IndexError, TypeError):
         return False

@@ -14,9 +14,7 @@
 #if CB_FUSED_X86
 namespace cbserve_fused {
 
-CB_AVX512BF16 inline __mmask16 lanes(int64_t n) {
-  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
-}
+CB_AVX512BF16 inline __mmask16 lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
 
 CB_AVX512BF16 inline __m512 load_bf16(const c10::BFloat16* p) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -41,8 +39,7 @@ CB_AVX512BF16 inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m) {
 // A linear layer's bf16 bias (raw bits, may be null) for output features
 // [n0, n0 + 16) in fp32 lanes: zero without a bias and past the `m` lanes.
 CB_AVX512BF16 inline __m512 bias_lanes(const uint16_t* bias, int64_t n0, __mmask16 m) {
-  return bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), m)
-                         : _mm512_setzero_ps();
+  return bias != nullptr ? load_bf16_masked(reinterpret_cast<const c10::BFloat16*>(bias + n0), m) : _mm512_setzero_ps();
 }
 
 CB_AVX512BF16 inline __m512 exp_ps(__m512 x) {

@@ -1,0 +1,44 @@
+// The instruction set native._fused's vector code is compiled for (function
+// target attributes, no build-wide -m flags) and the run-time check that
+// guards every call into it. Shared by fused_ops.cpp and the linear kernels.
+#pragma once
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CB_FUSED_X86 1
+#define CB_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#else
+#define CB_FUSED_X86 0
+#endif
+
+#include <cstdlib>
+#include <cstring>
+
+namespace cbserve_fused {
+
+// The highest instruction set the environment allows: CBSERVE_NATIVE_ISA
+// (generic | avx2 | avx512 | amx), the same variable native._C's dispatch
+// reads, so one setting forces both extensions down. 3 = no cap.
+inline int isa_cap() {
+  static const int cap = [] {
+    const char* env = std::getenv("CBSERVE_NATIVE_ISA");
+    if (env == nullptr || *env == 0) return 3;
+    if (std::strcmp(env, "generic") == 0 || std::strcmp(env, "avx2") == 0) return 0;
+    if (std::strcmp(env, "avx512") == 0) return 2;
+    return 3;
+  }();
+  return cap;
+}
+
+// Whether this CPU runs CB_AVX512BF16 code (and the environment allows it).
+inline bool has_avx512_bf16() {
+#if CB_FUSED_X86
+  static const bool ok = isa_cap() >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace cbserve_fused
