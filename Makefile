@@ -11,6 +11,7 @@ NATIVE_SRC := $(wildcard native/csrc/*.cpp native/csrc/*.h native/csrc/*.cu nati
 export CBSERVE_CACHE_DIR ?= $(CURDIR)/.cache
 PORT ?= 50051
 METRICS_PORT ?= 9090
+HTTP_PORT ?= 8000
 ARGS ?=
 
 .PHONY: install serve lint format test test-fast protos bench bench-kernels bench-peers native-cuda-check clean
@@ -27,7 +28,7 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	@echo "cbserve installed in $(VENV)"
 
 serve: install
-	$(VENV)/bin/cbserve serve --port $(PORT) --metrics-port $(METRICS_PORT) $(ARGS)
+	$(VENV)/bin/cbserve serve --port $(PORT) --metrics-port $(METRICS_PORT) --http-port $(HTTP_PORT) $(ARGS)
 
 # Style and layering (seconds): ruff lint + format check, clang-format on
 # native/csrc, and the import-linter contracts of pyproject.toml.

@@ -122,6 +122,8 @@ def run_policy(policy: str, args, reqs) -> dict:
             str(port),
             "--metrics-port",
             str(mport),
+            "--http-port",
+            "0",
             "--host",
             "127.0.0.1",
         ],

@@ -102,6 +102,7 @@ class CbserveServer:
         self.extra_args = list(extra_args or [])
         self.port = free_port()
         self.metrics_port = free_port()
+        self.http_port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = self.workdir / f"server-{policy}-{dtype}.log"
         self.startup_s = float("nan")
@@ -134,6 +135,8 @@ class CbserveServer:
             str(self.port),
             "--metrics-port",
             str(self.metrics_port),
+            "--http-port",
+            str(self.http_port),
         ]
         if self.model:
             cmd += ["--model", self.model]

@@ -24,6 +24,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="router YAML config (see deploy/base/router.yaml)")
     p.add_argument("--port", type=int, default=None, help="public gRPC port (default 50051)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9090; 0 = off)")
+    p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (default 8000; 0 = off)")
     p.add_argument("--host", default=None, help="listen address (default 0.0.0.0)")
     p.add_argument("--executor-address", default=None, help="unix:///path or host:port of the executor")
 
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         return router_main(args)
     except ConfigError as exc:
         print(f"cbserve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a port in use, a certificate that cannot be read
+        print(f"cbserve: cannot start: {exc}", file=sys.stderr)
         return 2
 
 

@@ -34,6 +34,13 @@ class ServerConfig:
     port: int = 50051
     # Prometheus text endpoint (HTTP); 0 disables it.
     metrics_port: int = 9090
+    # OpenAI-compatible HTTP API (router/http_api.py); 0 disables it.
+    http_port: int = 8000
+    # Largest HTTP request body; beyond it the request gets 413 unread.
+    max_http_body_bytes: int = 4 * 1024 * 1024
+    # The model name the HTTP API serves and checks `model` against; empty =
+    # the executor's model name (gateways route by this name).
+    served_model_name: str = ""
     # Largest request a client may send; a prompt of a full context fits well.
     max_receive_message_bytes: int = 4 * 1024 * 1024
     # Largest gRPC metadata a client may send (headers, auth token).
@@ -187,7 +194,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         raise ConfigError("limits.default_max_new_tokens must be <= limits.max_new_tokens")
     srv = cfg.server
     _positive(srv.stream_interval, "server.stream_interval")
-    for name in ("port", "metrics_port"):
+    _positive(srv.max_http_body_bytes, "server.max_http_body_bytes")
+    for name in ("port", "metrics_port", "http_port"):
         port = getattr(srv, name)
         if not 0 <= port <= 65535:
             raise ConfigError(f"server.{name}: must be in [0, 65535], got {port}")

@@ -13,6 +13,7 @@ import structlog
 from common.logging_setup import configure_logging
 from router.config import ConfigError, RouterConfig, load_config
 from router.engine import Engine
+from router.http_api import HttpServer
 from router.metrics import Metrics
 from router.server import PublicServer
 from router.tokenizer import load_tokenizer
@@ -37,7 +38,10 @@ async def run_router(
     tracer = setup_tracing(cfg.tracing)
     engine = Engine(cfg, tokenizer, metrics, on_executor_lost=on_executor_lost, tracer=tracer)
     server = PublicServer(engine, cfg)
+    http = HttpServer(engine, cfg) if cfg.server.http_port else None
     await server.start()
+    if http is not None:
+        http.start()
     engine.start()
 
     def _reload() -> None:
@@ -62,6 +66,7 @@ async def run_router(
     _LOGGER.info(
         "router listening",
         address=f"{cfg.server.host}:{server.port}",
+        http=f"http://{cfg.server.host}:{http.port}/v1" if http is not None else "off",
         frozen_objects=gc.get_freeze_count(),
         metrics=f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics",
         executor=cfg.executor.address,
@@ -74,6 +79,8 @@ async def run_router(
     await stop.wait()
     _LOGGER.info("draining", timeout_s=cfg.server.drain_timeout_s, in_flight=len(engine.handles))
     await server.drain_and_stop(cfg.server.drain_timeout_s)
+    if http is not None:
+        await http.stop()
     await engine.stop()
     if tracer is not None:
         tracer.shutdown()
@@ -94,6 +101,8 @@ def apply_overrides(cfg: RouterConfig, args) -> None:
         cfg.server.port = args.port
     if getattr(args, "metrics_port", None) is not None:
         cfg.server.metrics_port = args.metrics_port
+    if getattr(args, "http_port", None) is not None:
+        cfg.server.http_port = args.http_port
     if getattr(args, "host", None):
         cfg.server.host = args.host
     if getattr(args, "executor_address", None):

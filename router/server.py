@@ -14,10 +14,11 @@ from grpc_reflection.v1alpha import reflection
 from cbserve.v1 import generation_pb2 as gpb
 from cbserve.v1 import generation_pb2_grpc as gpb_grpc
 from router import __version__
+from router.admission import admit
 from router.auth import BearerTokenInterceptor, load_token
 from router.config import RouterConfig
-from router.engine import Delta, Engine
-from router.validation import RequestError, build_request, prompt_ids
+from router.engine import Delta, Engine, RequestHandle
+from router.validation import RequestError, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)
 SERVICE_NAME = "cbserve.v1.Generation"
@@ -34,47 +35,11 @@ class GenerationService(gpb_grpc.GenerationServicer):
         self.engine.metrics.request_errors.labels(status=code.name).inc()
         await context.abort(code, message)
 
-    async def _admit(self, request: gpb.GenerateRequest, context):
-        eng = self.engine
-        if not eng.accepting:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is draining")
-        if not eng.ready.is_set() or eng.facts is None:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the executor is not available")
-        facts = eng.facts
-        sched = eng.scheduler
-        lim = self.cfg.limits
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        usable_blocks = facts.num_blocks - sched.blocks.watermark_blocks
+    async def _admit(self, request: gpb.GenerateRequest, context) -> RequestHandle:
         try:
-            req = build_request(
-                request,
-                eng.tokenizer,
-                lim,
-                facts.vocab_size,
-                facts.max_context,
-                usable_blocks * facts.block_size,
-                deadline,
-            )
+            return admit(self.engine, self.cfg, request, context.time_remaining())
         except RequestError as exc:
-            await self._refuse(context, exc.code, exc.message)
-        if req.request_id in eng.handles:
-            await self._refuse(
-                context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight"
-            )
-        if len(sched.waiting) >= lim.max_queued_requests:
-            await self._refuse(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the queue is full ({lim.max_queued_requests} requests waiting)",
-            )
-        if sched.num_queued_tokens() + len(req.prompt_token_ids) > lim.max_queued_tokens:
-            await self._refuse(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the queue is full ({lim.max_queued_tokens} prompt tokens waiting)",
-            )
-        return eng.submit(req)
+            await context.abort(exc.code, exc.message)
 
     @staticmethod
     def _response(rid: str, d: Delta, usage: gpb.Usage | None = None) -> gpb.GenerateResponse:

@@ -111,6 +111,7 @@ async def _serve(args) -> int:
         _LOGGER.info(
             "cbserve serving",
             grpc=f"{host}:{server.port}",
+            openai=f"http://{host}:{cfg.server.http_port}/v1" if cfg.server.http_port else "off",
             metrics=f"http://{host}:{cfg.server.metrics_port}/metrics",
             try_it=f"cbserve generate --address {host}:{server.port} --chat 'What is the capital of France?'",
         )

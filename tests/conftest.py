@@ -39,6 +39,12 @@ class Server:
     log_path: str
     config_path: str
     credentials: grpc.ChannelCredentials | None = None
+    http_port: int = 0
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (`.../v1`)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     @property
     def address(self) -> str:
@@ -134,7 +140,7 @@ def start_server(
     fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="cbserve-test-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
-    port, mport = free_port(), free_port()
+    port, mport, hport = free_port(), free_port(), free_port()
     log_fd, log_path = tempfile.mkstemp(suffix=".log", prefix="cbserve-test-")
     cmd = [
         sys.executable,
@@ -155,13 +161,15 @@ def start_server(
         str(port),
         "--metrics-port",
         str(mport),
+        "--http-port",
+        str(hport),
         "--host",
         "127.0.0.1",
         *(extra_args or []),
     ]
     proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
     os.close(log_fd)
-    server = Server(proc, port, mport, log_path, cfg_path, credentials)
+    server = Server(proc, port, mport, log_path, cfg_path, credentials, hport)
     try:
         wait_serving(server.address, timeout, proc, credentials)
     except Exception:

@@ -151,6 +151,8 @@ def _serve_refused(*args: str) -> str:
             "0",
             "--metrics-port",
             "0",
+            "--http-port",
+            "0",
             "--host",
             "127.0.0.1",
             *args,

@@ -81,6 +81,8 @@ def test_a_kv_cache_dtype_it_does_not_know_is_refused_before_starting(tmp_path):
             "0",
             "--metrics-port",
             "0",
+            "--http-port",
+            "0",
             "--config",
             str(cfg),
         ],

@@ -85,6 +85,15 @@ def _make_ca_and_certs(tmp):
     }
 
 
+def _ssl_context(certs, client: bool):
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=certs["ca"])
+    if client:
+        ctx.load_cert_chain(certs["client_cert"], certs["client_key"])
+    return ctx
+
+
 def _read(path):
     with open(path, "rb") as fh:
         return fh.read()
@@ -124,6 +133,17 @@ def test_tls_and_mtls_on_the_public_port(certs):
         with grpc.insecure_channel(server.address) as ch:  # plaintext is refused
             with pytest.raises(grpc.RpcError):
                 stub(ch).Complete(gen_request([5, 6, 7], max_new=3), timeout=5)
+        # The HTTP API on the same certificates: mTLS too.
+        import httpx
+
+        url = f"https://127.0.0.1:{server.http_port}"
+        with httpx.Client(verify=_ssl_context(certs, client=True)) as http:
+            assert http.get(f"{url}/health").status_code == 200
+            assert http.get(f"{url}/v1/models").json()["data"]
+        with pytest.raises(httpx.HTTPError), httpx.Client(verify=_ssl_context(certs, client=False)) as http:
+            http.get(f"{url}/health")
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{server.http_port}/health", timeout=5)
     finally:
         server.stop()
 
@@ -160,6 +180,24 @@ def test_bearer_token_auth_keeps_health_open(tmp_path):
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             out = s.Complete(gen_request([5], max_new=2), metadata=[("authorization", "Bearer s3cret-token")])
             assert len(out.token_ids) == 2
+        # The HTTP API takes the same token; /health stays open there too.
+        import httpx
+
+        base = f"http://127.0.0.1:{server.http_port}"
+        assert httpx.get(f"{base}/health").status_code == 200
+        body = {
+            "model": httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer s3cret-token"}).json()["data"][0][
+                "id"
+            ],
+            "prompt": [5],
+            "max_tokens": 2,
+        }
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret-token"}):
+            r = httpx.post(f"{base}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        ok = httpx.post(f"{base}/v1/completions", json=body, headers={"authorization": "Bearer s3cret-token"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     finally:
         server.stop()
 

@@ -1,0 +1,648 @@
+"""The OpenAI-compatible HTTP API: Starlette on uvicorn, in the router's own
+event loop, on the same engine, scheduler and admission as the gRPC API.
+
+A request is translated into the gRPC `GenerateRequest` and admitted by
+`router.admission.admit`, so the validation, limits, messages and statuses
+are the gRPC API's; `HTTP_STATUS` maps each gRPC status to its HTTP one. The
+OpenAI fields cbserve does not implement are refused with a 400 that names
+the field, never ignored (`UNSUPPORTED`). docs/openai.md lists every field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+import socket
+import ssl
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+import grpc
+import structlog
+import uvicorn
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cbserve.v1 import generation_pb2 as gpb
+from router import __version__
+from router.admission import admit, refuse
+from router.auth import load_token
+from router.config import RouterConfig
+from router.engine import Delta, Engine, RequestHandle
+from router.request import Finish
+from router.validation import ROLES, RequestError, prompt_ids
+
+_LOGGER = structlog.get_logger(__name__)
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+_FINISH = {Finish.EOS: "stop", Finish.STOP_SEQUENCE: "stop", Finish.LENGTH: "length", Finish.CANCELLED: "abort"}
+# The leading field of a validation message (the gRPC API's names) -> the
+# OpenAI parameter it came from, for the error object's `param`.
+_PARAM = {
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "stopping.max_new_tokens": "max_tokens",
+    "stopping.stop": "stop",
+    "text": "prompt",
+    "token_ids": "prompt",
+    "input": "prompt",
+    "messages": "messages",
+    "request_id": "X-Request-Id",
+    "priority": "priority",
+}
+# OpenAI fields cbserve does not implement yet: (field, the value meaning "unused").
+UNSUPPORTED = (
+    ("n", 1),
+    ("best_of", 1),
+    ("echo", False),
+    ("suffix", None),
+    ("logprobs", None),
+    ("top_logprobs", None),
+    ("presence_penalty", 0),
+    ("frequency_penalty", 0),
+    ("logit_bias", None),
+    ("response_format", None),
+    ("tools", None),
+    ("tool_choice", None),
+    ("functions", None),
+    ("function_call", None),
+    ("min_tokens", 0),
+    ("min_p", 0),
+    ("stop_token_ids", None),
+)
+# Values of those fields that ask for nothing beyond the default.
+_SAME_AS_UNSET: dict[str, Any] = {"response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
+TIMEOUT_HEADERS = ("x-request-timeout", "x-envoy-expected-rq-timeout-ms")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPE.get(status, "server_error"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
+
+
+def _from_request_error(exc: RequestError) -> ApiError:
+    status = HTTP_STATUS.get(exc.code, 500)
+    head = re.match(r"([\w.]+)(\[\d+\])?[\w.\[\]]*:", exc.message)
+    param = None
+    if head:
+        field = head.group(1)
+        param = _PARAM.get(field) or _PARAM.get(field.split(".")[0])
+    return ApiError(status, exc.message, param)
+
+
+# -- request bodies (OpenAI's names; `extra="allow"`: unknown fields are ignored) --
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    # vLLM's extension: usage (tokens so far) on every chunk.
+    continuous_usage_stats: bool = False
+
+
+class _Common(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class MessageBody(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatBody(_Common):
+    messages: list[MessageBody]
+    max_completion_tokens: int | None = None
+
+
+class TokenizeBody(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[MessageBody] | None = None
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "list[", "str", "int")))
+    loc = loc or None
+    return ApiError(400, f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc)
+
+
+class OpenAIApi:
+    """The HTTP endpoints over one engine."""
+
+    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        token = load_token(cfg.server.auth_token_file, cfg.server.auth_token_env)
+        self._expected = f"Bearer {token}".encode("utf-8") if token else None
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+        ]
+        handlers = {ApiError: self._api_error, 404: self._http_error, 405: self._http_error}
+        self.app = Starlette(routes=routes, exception_handlers=handlers)
+
+    # -- plumbing ---------------------------------------------------------------
+    async def _api_error(self, request: HttpRequest, exc: ApiError) -> JSONResponse:
+        return JSONResponse(_error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
+
+    async def _http_error(self, request: HttpRequest, exc: Exception) -> JSONResponse:
+        """Unknown paths and methods, in OpenAI's error format too."""
+        status = getattr(exc, "status_code", 404)
+        message = f"{request.method} {request.url.path}: " + (
+            "no such endpoint" if status == 404 else "method not allowed"
+        )
+        return JSONResponse(_error_body(status, message), status_code=status)
+
+    def model_name(self) -> str:
+        f = self.engine.facts
+        return self.cfg.server.served_model_name or (f.model if f is not None else "")
+
+    def _authorize(self, request: HttpRequest) -> None:
+        if self._expected is None:
+            return
+        given = request.headers.get("authorization", "").encode("utf-8")
+        if not hmac.compare_digest(given, self._expected):
+            refuse(self.engine, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            raise ApiError(401, "missing or wrong bearer token", code="invalid_api_key")
+
+    async def _json(self, request: HttpRequest, model: type[BaseModel]) -> Any:
+        """The body parsed into `model`, read no further than the size limit."""
+        self._authorize(request)
+        limit = self.cfg.server.max_http_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise self._refused(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise self._refused(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise self._refused(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise self._refused(400, "the request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            err = _validation_error(exc)
+            self.engine.metrics.request_errors.labels(status=grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+            raise err from None
+
+    def _refused(self, status: int, message: str, param: str | None = None, code: str | None = None) -> ApiError:
+        grpc_code = next((c for c, s in HTTP_STATUS.items() if s == status), grpc.StatusCode.INVALID_ARGUMENT)
+        refuse(self.engine, grpc_code, message)
+        return ApiError(status, message, param, code)
+
+    def _check_model(self, name: str | None) -> None:
+        if self.engine.facts is None:
+            raise self._refused(503, "the executor is not available")
+        served = self.model_name()
+        if name is not None and name != served:
+            raise self._refused(
+                404, f"the model {name!r} does not exist; this server serves {served!r}", "model", "model_not_found"
+            )
+
+    def _check_supported(self, body: _Common) -> None:
+        extra = body.model_extra or {}
+        for field, unused in UNSUPPORTED:
+            value = extra.get(field, unused)
+            if value in (unused, None, False) or _SAME_AS_UNSET.get(field) == value:
+                continue
+            raise self._refused(400, f"{field}: not supported by cbserve yet", field)
+
+    def _timeout(self, request: HttpRequest) -> float | None:
+        for name in TIMEOUT_HEADERS:
+            raw = request.headers.get(name)
+            if raw is None:
+                continue
+            try:
+                value = float(raw) / (1000.0 if name.endswith("-ms") else 1.0)
+            except ValueError:
+                raise self._refused(400, f"{name}: not a number", name) from None
+            if not value > 0:
+                raise self._refused(400, f"{name}: must be > 0", name)
+            return value
+        return None
+
+    # -- translation ------------------------------------------------------------
+    @contextlib.contextmanager
+    def _in_range(self, param: str | None):
+        """A JSON number beyond the protobuf field's range (int32 token ids,
+        uint32 max_tokens, ...) is the client's 400, not a server error."""
+        try:
+            yield
+        except (ValueError, TypeError) as exc:
+            raise self._refused(400, f"{param or 'body'}: a value is out of range ({exc})", param) from None
+
+    def _base_msg(self, body: _Common, max_tokens: int | None, request_id: str) -> gpb.GenerateRequest:
+        if max_tokens is not None and max_tokens < 1:
+            raise self._refused(400, f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
+        with self._in_range(None):
+            return self._translate(body, max_tokens, request_id)
+
+    def _translate(self, body: _Common, max_tokens: int | None, request_id: str) -> gpb.GenerateRequest:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        sampling = gpb.SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),  # vLLM's -1 means off, as 0 here
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        )
+        if body.seed is not None:
+            if not 0 <= body.seed < 2**64:
+                raise self._refused(400, f"seed: must be in [0, 2**64), got {body.seed}", "seed")
+            sampling.seed = body.seed
+        return gpb.GenerateRequest(
+            request_id=request_id,
+            sampling=sampling,
+            stopping=gpb.StoppingCriteria(max_new_tokens=max_tokens or 0, stop=stop, ignore_eos=body.ignore_eos),
+            # vLLM's priority: lower is handled earlier; cbserve's: larger is more urgent.
+            priority=-body.priority,
+            cache_salt=body.cache_salt or "",
+        )
+
+    def _admit_all(self, msgs: list[gpb.GenerateRequest], timeout: float | None) -> list[RequestHandle]:
+        handles: list[RequestHandle] = []
+        try:
+            for msg in msgs:
+                handles.append(admit(self.engine, self.cfg, msg, timeout))
+        except RequestError as exc:
+            for h in handles:  # all prompts of a request run, or none
+                self.engine.abort(h.req)
+            raise _from_request_error(exc) from None
+        return handles
+
+    @staticmethod
+    def _request_id(request: HttpRequest) -> str:
+        return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+    # -- endpoints -----------------------------------------------------------------
+    async def _generation_body(self, request: HttpRequest, model: type[_Common]) -> tuple[Any, str]:
+        """The parsed body of a generation request, checked for the served
+        model and unsupported fields, and its request id (bound to the logs)."""
+        body = await self._json(request, model)
+        self._check_model(body.model)
+        self._check_supported(body)
+        rid = self._request_id(request)
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        return body, rid
+
+    async def completions(self, request: HttpRequest) -> Response:
+        body, rid = await self._generation_body(request, CompletionBody)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise self._refused(400, "prompt: the list is empty", "prompt")
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        msgs = []
+        for i, p in enumerate(prompts):
+            msg = self._base_msg(body, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}")
+            with self._in_range("prompt"):
+                if isinstance(p, str):
+                    msg.text = p
+                else:
+                    msg.token_ids.ids.extend(p)
+            msgs.append(msg)
+        handles = self._admit_all(msgs, self._timeout(request))
+        return await self._respond(request, body, handles, f"cmpl-{rid}", chat=False)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        body, rid = await self._generation_body(request, ChatBody)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        msg = self._base_msg(body, max_tokens, rid)
+        msg.messages.CopyFrom(_chat_messages(body.messages))
+        handles = self._admit_all([msg], self._timeout(request))
+        return await self._respond(request, body, handles, f"chatcmpl-{rid}", chat=True)
+
+    async def models(self, request: HttpRequest) -> Response:
+        self._authorize(request)
+        f = self.engine.facts
+        if f is None:
+            raise self._refused(503, "the executor is not available")
+        card = {
+            "id": self.model_name(),
+            "object": "model",
+            "created": 0,
+            "owned_by": "cbserve",
+            "max_model_len": f.max_context,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        body: TokenizeBody = await self._json(request, TokenizeBody)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise self._refused(400, "input: set one of prompt, messages", "prompt")
+        msg = gpb.TokenizeRequest()
+        if body.prompt is not None:
+            msg.text = body.prompt
+        else:
+            msg.messages.CopyFrom(_chat_messages(body.messages))
+        eng = self.engine
+        try:
+            ids = prompt_ids(msg, eng.tokenizer, self.cfg.limits, eng.facts.vocab_size)
+        except RequestError as exc:
+            refuse(eng, exc.code, exc.message)
+            raise _from_request_error(exc) from None
+        return JSONResponse({"count": len(ids), "max_model_len": eng.facts.max_context, "tokens": ids})
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        body: DetokenizeBody = await self._json(request, DetokenizeBody)
+        self._check_model(body.model)
+        vocab = self.engine.facts.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise self._refused(400, f"tokens: {bad} is outside [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    async def health(self, request: HttpRequest) -> Response:
+        ok = self.engine.ready.is_set() and self.engine.accepting
+        return Response(status_code=200 if ok else 503)
+
+    async def version(self, request: HttpRequest) -> Response:
+        return JSONResponse({"version": __version__})
+
+    # -- responses -------------------------------------------------------------------
+    async def _respond(
+        self, request: HttpRequest, body: _Common, handles: list[RequestHandle], cid: str, chat: bool
+    ) -> Response:
+        headers = {"x-request-id": handles[0].req.request_id if len(handles) == 1 else cid.split("-", 1)[1]}
+        if body.stream:
+            opts = body.stream_options or StreamOptions()
+            stream = self._stream(handles, cid, chat, opts.include_usage, opts.continuous_usage_stats)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        collect = asyncio.ensure_future(self._collect(handles))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client went away: its requests end at the next iteration
+                collect.cancel()
+                for h in handles:
+                    if not h.done:
+                        self.engine.abort(h.req)
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)
+        results = collect.result()
+        error = next((d.error for d in results if d.error is not None), None)
+        if error is not None:
+            raise _from_request_error(RequestError(*error))
+        created = int(time.time())
+        choices = []
+        for i, d in enumerate(results):
+            finish = _FINISH.get(d.finish)
+            if chat:
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": d.text},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                )
+            else:
+                choices.append({"index": i, "text": d.text, "logprobs": None, "finish_reason": finish})
+        obj = {
+            "id": cid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.model_name(),
+            "choices": choices,
+            "usage": _usage(handles),
+        }
+        return JSONResponse(obj, headers=headers)
+
+    async def _collect(self, handles: list[RequestHandle]) -> list[Delta]:
+        acc = [Delta() for _ in handles]
+        async for i, d in _merged(handles):
+            acc[i].token_ids += d.token_ids
+            acc[i].text += d.text
+            if d.finish is not None:
+                acc[i].finish, acc[i].error = d.finish, d.error
+        return acc
+
+    async def _stream(
+        self, handles: list[RequestHandle], cid: str, chat: bool, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        model = self.model_name()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict], usage: dict | None = None) -> bytes:
+            chunk: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
+            if include_usage:
+                chunk["usage"] = usage if usage is not None or not continuous_usage else _usage(handles)
+            return b"data: " + json.dumps(chunk, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+        def choice(i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if text:
+                    delta["content"] = text
+                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        try:
+            if chat:
+                yield event([choice(0, None, None, role=True)])
+            async for i, d in _merged(handles):
+                if d.error is not None:
+                    err = _from_request_error(RequestError(*d.error))
+                    body = _error_body(err.status, err.message, err.param)
+                    yield b"data: " + json.dumps(body).encode("utf-8") + b"\n\n"
+                    break
+                if d.text or d.token_ids:  # tokens whose text is still incomplete UTF-8 too
+                    yield event([choice(i, d.text, None)])
+                if d.finish is not None:
+                    yield event([choice(i, None, _FINISH.get(d.finish))])
+            else:
+                if include_usage:
+                    yield event([], _usage(handles))
+            yield b"data: [DONE]\n\n"
+        finally:
+            for h in handles:  # the client went away mid-stream, or an error ended it
+                if not h.done:
+                    self.engine.abort(h.req)
+
+
+def _chat_messages(messages: list[MessageBody]) -> gpb.ChatMessages:
+    out = gpb.ChatMessages()
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role: {m.role[:32]!r} is not one of {', '.join(ROLES)}", "messages")
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        out.messages.add(role=m.role, content=content)
+    return out
+
+
+def _usage(handles: list[RequestHandle]) -> dict:
+    prompt = sum(len(h.req.prompt_token_ids) for h in handles)
+    completion = sum(len(h.req.output_token_ids) for h in handles)
+    cached = sum(h.req.num_cached_prompt_tokens for h in handles)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
+    """(index, delta) of every handle as the engine produces them, until each
+    has its final delta."""
+    if len(handles) == 1:
+        while True:
+            d = await handles[0].next()
+            yield 0, d
+            if d.finish is not None:
+                return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
+        while True:
+            d = await h.next()
+            queue.put_nowait((i, d))
+            if d.finish is not None:
+                return
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            i, d = await queue.get()
+            left -= d.finish is not None
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _disconnected(request: HttpRequest) -> None:
+    """Returns when the client closes its connection (the body is read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn inside the router's event loop: the router owns SIGTERM / SIGINT
+    (it drains both APIs), so the server installs no signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """Binds the HTTP port at construction (so a port in use fails start-up with
+    OSError, as the gRPC port does) and serves until `stop`."""
+
+    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
+        s = cfg.server
+        self.api = OpenAIApi(engine, cfg)
+        self.sock = socket.create_server((s.host, s.http_port), reuse_port=False)
+        self.port = self.sock.getsockname()[1]
+        kw: dict[str, Any] = {}
+        if s.tls_cert_file:
+            kw = {"ssl_certfile": s.tls_cert_file, "ssl_keyfile": s.tls_key_file}
+            if s.tls_client_ca_file:
+                kw |= {"ssl_ca_certs": s.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        config = uvicorn.Config(
+            self.api.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=1, **kw
+        )
+        self.server = _Uvicorn(config)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]), name="cbserve-http")
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self._task is not None:
+            await self._task
+        self.sock.close()
