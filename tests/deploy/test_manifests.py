@@ -29,8 +29,15 @@ KUSTOMIZATIONS = {
     "base": DEPLOY / "base",
     "cpu": DEPLOY / "overlays" / "cpu",
     "gpu": DEPLOY / "overlays" / "gpu",
+    "inference-gateway": DEPLOY / "overlays" / "inference-gateway",
 }
 OVERLAYS = ("cpu", "gpu")
+# Custom resources kubernetes-validate has no schema for: validated against
+# tests/deploy/schemas (the fields deploy/ uses, strict).
+CRD_SCHEMAS = {
+    "InferencePool": Path(__file__).with_name("schemas") / "inferencepool-v1.json",
+    "HTTPRoute": Path(__file__).with_name("schemas") / "httproute-v1.json",
+}
 # Newest Kubernetes release whose schemas kubernetes-validate ships (offline).
 K8S_VERSION = kubernetes_validate.latest_version()
 
@@ -138,6 +145,9 @@ def test_kustomization_renders_and_validates(name):
     } <= kinds
     for obj in objs:
         label = f"{obj['kind']}/{obj['metadata']['name']}"
+        if obj["kind"] in CRD_SCHEMAS:
+            _validate_crd(obj, label)
+            continue
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         except SchemaNotFoundError as exc:  # a CRD or a removed API version
@@ -145,6 +155,18 @@ def test_kustomization_renders_and_validates(name):
         except kubernetes_validate.ValidationError as exc:
             path = ".".join(str(p) for p in exc.path)
             pytest.fail(f"{name}: {label} is invalid for Kubernetes {K8S_VERSION}: {path}: {exc.message}")
+
+
+def _validate_crd(obj: dict, label: str) -> None:
+    import json
+
+    import jsonschema
+
+    schema = json.loads(CRD_SCHEMAS[obj["kind"]].read_text(encoding="utf-8"))
+    try:
+        jsonschema.validate(obj, schema)
+    except jsonschema.ValidationError as exc:
+        pytest.fail(f"{label}: {'.'.join(str(p) for p in exc.absolute_path)}: {exc.message}")
 
 
 @needs_kubectl
@@ -190,24 +212,26 @@ def test_router_ports_and_probes_match_router_defaults(name, tmp_path):
 
     router = container(pod_spec(render(name)), "router")
     ports = {p["name"]: p["containerPort"] for p in router["ports"]}
-    assert ports == {"grpc": defaults.port, "metrics": defaults.metrics_port}
+    assert ports == {"grpc": defaults.port, "http": defaults.http_port, "metrics": defaults.metrics_port}
+    assert cfg.server.http_port == defaults.http_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert router[probe]["grpc"] == {"port": defaults.port}, probe
     args = router["args"]
     assert args[args.index("--port") + 1] == str(defaults.port)
     assert args[args.index("--metrics-port") + 1] == str(defaults.metrics_port)
+    assert args[args.index("--http-port") + 1] == str(defaults.http_port)
     assert args[args.index("--executor-address") + 1] == cfg.executor.address
 
     services = {s["metadata"]["name"]: s for s in render(name) if s["kind"] == "Service"}
     svc_ports = {p["name"]: p["port"] for p in services["cbserve"]["spec"]["ports"]}
-    assert svc_ports == {"grpc": defaults.port, "metrics": defaults.metrics_port}
+    assert svc_ports == {"grpc": defaults.port, "http": defaults.http_port, "metrics": defaults.metrics_port}
     headless = services["cbserve-headless"]["spec"]
     assert headless["clusterIP"] == "None"
     assert [p["port"] for p in headless["ports"]] == [defaults.port]
 
     policy = one(render(name), "NetworkPolicy")["spec"]
     allowed = {p["port"] for rule in policy["ingress"] for p in rule["ports"]}
-    assert allowed == {defaults.port, defaults.metrics_port}
+    assert allowed == {defaults.port, defaults.http_port, defaults.metrics_port}
 
 
 @needs_kubectl
@@ -350,3 +374,52 @@ def test_router_exports_every_metric_relied_on():
     names = exported_metric_names()
     missing = sorted(METRICS_RELIED_ON - names)
     assert not missing, f"router.metrics does not export {missing}"
+
+
+# ---- the inference-gateway overlay ------------------------------------------------
+
+
+@needs_kubectl
+def test_inference_pool_routes_to_the_http_port_through_a_picker_reading_cbserve_metrics():
+    objs = render("inference-gateway")
+    defaults = ServerConfig()
+    pool = one(objs, "InferencePool")["spec"]
+    deployment = one(objs, "Deployment", "cbserve")
+    assert pool["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert pool["targetPorts"] == [{"number": defaults.http_port}]
+    epp_service = one(objs, "Service", pool["endpointPickerRef"]["name"])
+    assert [p["port"] for p in epp_service["spec"]["ports"]] == [pool["endpointPickerRef"]["port"]["number"]]
+    epp = one(objs, "Deployment", "cbserve-epp")["spec"]["template"]["spec"]
+    args = epp["containers"][0]["args"]
+
+    def flag(name):
+        return args[args.index(name) + 1]
+
+    assert flag("--pool-name") == one(objs, "InferencePool")["metadata"]["name"]
+    assert flag("--model-server-metrics-port") == str(defaults.metrics_port)
+    names = {
+        flag("--total-queued-requests-metric"),
+        flag("--total-running-requests-metric"),
+        flag("--kv-cache-usage-percentage-metric"),
+    }
+    assert names == {"cbserve_num_requests_waiting", "cbserve_num_requests_running", "cbserve_kv_cache_usage_ratio"}
+    assert names <= exported_metric_names()
+    assert epp["serviceAccountName"] == one(objs, "RoleBinding")["subjects"][0]["name"]
+    assert any("inferencepools" in r["resources"] for r in one(objs, "Role")["rules"])
+    sc = epp["containers"][0]["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"]
+    route = one(objs, "HTTPRoute")["spec"]
+    backends = [b for rule in route["rules"] for b in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "cbserve"}]
+
+
+def test_crd_schemas_refuse_what_they_should():
+    good = yaml.safe_load((DEPLOY / "overlays" / "inference-gateway" / "inferencepool.yaml").read_text())
+    _validate_crd(good, "good")
+    for broken in (
+        {**good, "spec": {**good["spec"], "targetPort": 8000}},
+        {**good, "spec": {**good["spec"], "targetPorts": []}},
+        {**good, "spec": {k: v for k, v in good["spec"].items() if k != "endpointPickerRef"}},
+    ):
+        with pytest.raises(pytest.fail.Exception):
+            _validate_crd(broken, "broken")
