@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("roofline", cmd_roofline, "matmul roofline"),
         ("bound", cmd_bound, "best FCFS run time on a roofline cost model"),
         ("export-model", cmd_export, "export SmolLM2 to an HF checkpoint dir"),
+        ("online", None, "online serving through the OpenAI API: cbserve vs vllm serve"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -263,10 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("roofline", "bound", "export-model"):  # own parsers
-        from bench import bound, hf_export, roofline
+    if argv and argv[0] in ("roofline", "bound", "export-model", "online"):  # own parsers
+        from bench import bound, hf_export, online, roofline
 
-        own = {"roofline": roofline.main, "bound": bound.main, "export-model": hf_export.main}
+        own = {"roofline": roofline.main, "bound": bound.main, "export-model": hf_export.main, "online": online.main}
         return int(own[argv[0]](argv[1:]) or 0)
     a = build_parser().parse_args(argv)
     a.argv = argv

@@ -75,6 +75,29 @@ async def _one(
         rec.error = "stream ended without finish_reason"
 
 
+def prepare_run(workload: Workload, progress: bool, desc: str) -> tuple[list[RequestRecord], object | None]:
+    """What every load client does before its first send: one empty record
+    per request, a progress bar, and the process's objects frozen."""
+    records = [
+        RequestRecord(
+            index=r.index, prompt_tokens=len(r.prompt_ids), max_new_tokens=r.max_new_tokens, arrival_s=r.arrival_s
+        )
+        for r in workload.requests
+    ]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(records), desc=desc, unit="req", leave=False)
+    # The suite's process has run in-process peers (transformers, torch) before:
+    # leave their objects out of the cyclic collections the client's per-token
+    # garbage triggers during the run (each one would walk them all, on the
+    # cores the server under test is using).
+    gc.collect()
+    gc.freeze()
+    return records, bar
+
+
 async def run_grpc_workload(
     target: str,
     workload: Workload,
@@ -92,24 +115,7 @@ async def run_grpc_workload(
     spec = workload.spec
     conc = concurrency or spec.concurrency
     sem = asyncio.Semaphore(conc) if conc else None
-    records = [
-        RequestRecord(
-            index=r.index, prompt_tokens=len(r.prompt_ids), max_new_tokens=r.max_new_tokens, arrival_s=r.arrival_s
-        )
-        for r in workload.requests
-    ]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(records), desc=desc, unit="req", leave=False)
-
-    # The suite's process has run in-process peers (transformers, torch) before:
-    # leave their objects out of the cyclic collections the client's per-token
-    # garbage triggers during the run (each one would walk them all, on the
-    # cores the server under test is using).
-    gc.collect()
-    gc.freeze()
+    records, bar = prepare_run(workload, progress, desc)
     async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await channel.channel_ready()
