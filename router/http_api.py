@@ -81,28 +81,29 @@ _PARAM = {
     "request_id": "X-Request-Id",
     "priority": "priority",
 }
-# OpenAI fields cbserve does not implement yet: (field, the value meaning "unused").
-UNSUPPORTED = (
-    ("n", 1),
-    ("best_of", 1),
-    ("echo", False),
-    ("suffix", None),
-    ("logprobs", None),
-    ("top_logprobs", None),
-    ("presence_penalty", 0),
-    ("frequency_penalty", 0),
-    ("logit_bias", None),
-    ("response_format", None),
-    ("tools", None),
-    ("tool_choice", None),
-    ("functions", None),
-    ("function_call", None),
-    ("min_tokens", 0),
-    ("min_p", 0),
-    ("stop_token_ids", None),
-)
-# Values of those fields that ask for nothing beyond the default.
-_SAME_AS_UNSET: dict[str, Any] = {"response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
+# OpenAI fields cbserve does not implement yet, with the values that ask for
+# nothing beyond the default (besides absent or null). Compared with their
+# type, so neither 0 nor 1 passes for False or True (completions'
+# `logprobs: 0` asks for logprobs; chat's `logprobs: false` does not).
+UNSUPPORTED: dict[str, tuple] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": (),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": (),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": (),
+    "function_call": (),
+    "min_tokens": (0,),
+    "min_p": (0, 0.0),
+    "stop_token_ids": (),
+}
 TIMEOUT_HEADERS = ("x-request-timeout", "x-envoy-expected-rq-timeout-ms")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -241,8 +242,7 @@ class OpenAIApi:
             return
         given = request.headers.get("authorization", "").encode("utf-8")
         if not hmac.compare_digest(given, self._expected):
-            refuse(self.engine, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-            raise ApiError(401, "missing or wrong bearer token", code="invalid_api_key")
+            raise self._refused(401, "missing or wrong bearer token", code="invalid_api_key")
 
     async def _json(self, request: HttpRequest, model: type[BaseModel]) -> Any:
         """The body parsed into `model`, read no further than the size limit."""
@@ -267,8 +267,7 @@ class OpenAIApi:
             return model.model_validate(data)
         except ValidationError as exc:
             err = _validation_error(exc)
-            self.engine.metrics.request_errors.labels(status=grpc.StatusCode.INVALID_ARGUMENT.name).inc()
-            raise err from None
+            raise self._refused(400, err.message, err.param) from None
 
     def _refused(self, status: int, message: str, param: str | None = None, code: str | None = None) -> ApiError:
         grpc_code = next((c for c, s in HTTP_STATUS.items() if s == status), grpc.StatusCode.INVALID_ARGUMENT)
@@ -286,9 +285,9 @@ class OpenAIApi:
 
     def _check_supported(self, body: _Common) -> None:
         extra = body.model_extra or {}
-        for field, unused in UNSUPPORTED:
-            value = extra.get(field, unused)
-            if value in (unused, None, False) or _SAME_AS_UNSET.get(field) == value:
+        for field, unused in UNSUPPORTED.items():
+            value = extra.get(field)
+            if value is None or any(type(value) is type(u) and value == u for u in unused):
                 continue
             raise self._refused(400, f"{field}: not supported by cbserve yet", field)
 
@@ -387,7 +386,7 @@ class OpenAIApi:
                     msg.token_ids.ids.extend(p)
             msgs.append(msg)
         handles = self._admit_all(msgs, self._timeout(request))
-        return await self._respond(request, body, handles, f"cmpl-{rid}", chat=False)
+        return await self._respond(request, body, handles, rid, chat=False)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         body, rid = await self._generation_body(request, ChatBody)
@@ -395,7 +394,7 @@ class OpenAIApi:
         msg = self._base_msg(body, max_tokens, rid)
         msg.messages.CopyFrom(_chat_messages(body.messages))
         handles = self._admit_all([msg], self._timeout(request))
-        return await self._respond(request, body, handles, f"chatcmpl-{rid}", chat=True)
+        return await self._respond(request, body, handles, rid, chat=True)
 
     async def models(self, request: HttpRequest) -> Response:
         self._authorize(request)
@@ -447,9 +446,10 @@ class OpenAIApi:
 
     # -- responses -------------------------------------------------------------------
     async def _respond(
-        self, request: HttpRequest, body: _Common, handles: list[RequestHandle], cid: str, chat: bool
+        self, request: HttpRequest, body: _Common, handles: list[RequestHandle], rid: str, chat: bool
     ) -> Response:
-        headers = {"x-request-id": handles[0].req.request_id if len(handles) == 1 else cid.split("-", 1)[1]}
+        headers = {"x-request-id": rid}
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         if body.stream:
             opts = body.stream_options or StreamOptions()
             stream = self._stream(handles, cid, chat, opts.include_usage, opts.continuous_usage_stats)
@@ -499,10 +499,7 @@ class OpenAIApi:
     async def _collect(self, handles: list[RequestHandle]) -> list[Delta]:
         acc = [Delta() for _ in handles]
         async for i, d in _merged(handles):
-            acc[i].token_ids += d.token_ids
-            acc[i].text += d.text
-            if d.finish is not None:
-                acc[i].finish, acc[i].error = d.finish, d.error
+            acc[i] = acc[i].merge(d)
         return acc
 
     async def _stream(

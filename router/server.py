@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from cbserve.v1 import generation_pb2 as gpb
 from cbserve.v1 import generation_pb2_grpc as gpb_grpc
 from router import __version__
-from router.admission import admit
+from router.admission import admit, refuse
 from router.auth import BearerTokenInterceptor, load_token
 from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle
@@ -32,7 +32,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
     # -- admission ----------------------------------------------------------------
     async def _refuse(self, context, code: grpc.StatusCode, message: str):
         """Ends the RPC before admission; counted by status code."""
-        self.engine.metrics.request_errors.labels(status=code.name).inc()
+        refuse(self.engine, code, message)
         await context.abort(code, message)
 
     async def _admit(self, request: gpb.GenerateRequest, context) -> RequestHandle:
@@ -90,11 +90,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 d = await handle.next()
                 if d.error is not None:
                     await _abort(context, d.error)
-                acc.token_ids += d.token_ids
-                acc.text += d.text
-                acc.logprobs += d.logprobs
+                acc = acc.merge(d)
                 if d.finish is not None:
-                    acc.finish = d.finish
                     return self._response(req.request_id, acc, self._usage(req))
         finally:
             if not handle.done:

@@ -84,7 +84,12 @@ def test_chat_completion_and_its_stream(api):
         {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
     ]
     r = client.chat.completions.create(
-        model=model, messages=messages, max_completion_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        model=model,
+        messages=messages,
+        max_completion_tokens=8,
+        temperature=0,
+        logprobs=False,  # asks for nothing: accepted
+        extra_body={"ignore_eos": True},
     )
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
@@ -220,7 +225,9 @@ def _error(resp, status, param=None):
     ("field", "value"),
     [
         ("n", 2),
+        ("n", 0),
         ("logprobs", 1),
+        ("logprobs", 0),  # completions' logprobs=0 still asks for the sampled token's logprob
         ("presence_penalty", 0.5),
         ("frequency_penalty", -1.0),
         ("logit_bias", {"5": 10}),
