@@ -174,12 +174,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 out = fut.result()
             except _Dropped as exc:
                 context.abort(grpc.StatusCode.ABORTED, str(exc))
-            except PlanError as exc:
-                self._rejected(request, exc, context)
-            except _Stopping as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except Exception as exc:  # noqa: BLE001 - the executor's own failure
-                self._failed(request, exc, context)
+            except Exception as exc:  # noqa: BLE001 - answered by type
+                self._abort_failed_step(request, exc, context)
             yield self._result(request, out)
 
     def _stream_step(self, request: pb.Plan, epoch: int, failed: threading.Event):
@@ -199,6 +195,16 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.metrics.rejected_plans.inc()
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    def _abort_failed_step(self, request: pb.Plan, exc: Exception, context) -> None:
+        """Ends the call for a plan that did not run: INVALID_ARGUMENT for a
+        PlanError, UNAVAILABLE while stopping, INTERNAL for anything else."""
+        if isinstance(exc, PlanError):
+            self._rejected(request, exc, context)
+        elif isinstance(exc, _Stopping):
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        else:
+            self._failed(request, exc, context)
+
     def _failed(self, request: pb.Plan, exc: Exception, context) -> None:
         """A step failed for a reason of the executor's own (a kernel bug, out
         of memory): INTERNAL, with the traceback in the log."""
@@ -217,12 +223,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self._advance(request)
         try:
             out = self.worker.call(self.runner.step, request)
-        except PlanError as exc:
-            self._rejected(request, exc, context)
-        except _Stopping as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except Exception as exc:  # noqa: BLE001 - the executor's own failure
-            self._failed(request, exc, context)
+        except Exception as exc:  # noqa: BLE001 - answered by type
+            self._abort_failed_step(request, exc, context)
         return self._result(request, out)
 
     def _result(self, request: pb.Plan, out) -> pb.StepResult:
