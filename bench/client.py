@@ -8,6 +8,7 @@ offsets (all at t=0 for a burst) and at most `concurrency` are in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import math
 import time
@@ -125,19 +126,7 @@ async def run_grpc_workload(
             delay = req.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sem is not None:
-                async with sem:
-                    await _one(
-                        stub,
-                        req,
-                        rec,
-                        t0,
-                        ignore_eos=spec.ignore_eos,
-                        temperature=temperature,
-                        timeout_s=timeout_s,
-                        prefix=prefix,
-                    )
-            else:
+            async with sem if sem is not None else contextlib.nullcontext():
                 await _one(
                     stub,
                     req,

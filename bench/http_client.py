@@ -40,7 +40,6 @@ def completion_body(model: str, req: BenchRequest, *, ignore_eos: bool, temperat
 
 async def _one(client: aiohttp.ClientSession, url: str, body: dict, rec: RequestRecord, t0: float) -> None:
     rec.send_s = time.perf_counter() - t0
-    seen = 0
     try:
         async with client.post(url, json=body) as resp:
             if resp.status != 200:
@@ -60,16 +59,14 @@ async def _one(client: aiohttp.ClientSession, url: str, body: dict, rec: Request
                     done = usage.get("completion_tokens")
                     choices = chunk.get("choices") or []
                     if done is None:  # a server without continuous usage: a chunk per token
-                        done = seen + sum(1 for c in choices if c.get("text"))
-                    rec.add_tokens(done - seen, now)
-                    seen = max(seen, done)
+                        done = rec.output_tokens + sum(1 for c in choices if c.get("text"))
+                    rec.add_tokens(done - rec.output_tokens, now)  # counts them in rec.output_tokens
                     for c in choices:
                         if c.get("finish_reason"):
                             rec.finish_reason = c["finish_reason"]
     except Exception as e:  # noqa: BLE001 - a benchmark records, it does not crash
         rec.error = f"{type(e).__name__}: {e}"[:200]
     rec.end_s = time.perf_counter() - t0
-    rec.output_tokens = seen
     if not rec.error and not rec.finish_reason:
         rec.error = "stream ended without finish_reason"
 

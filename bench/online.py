@@ -141,6 +141,12 @@ class VllmServer:
         self.stop()
         raise TimeoutError(f"vllm serve not healthy after {timeout_s}s; see {self.log_path}")
 
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -149,6 +155,10 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _http_base(server: CbserveServer) -> str:
+    return f"http://127.0.0.1:{server.http_port}/v1"
 
 
 def _warm_up(base_url: str, model: str) -> None:
@@ -187,9 +197,7 @@ def http_vs_grpc(server: CbserveServer, args) -> dict:
         if proto == "grpc":
             recs, dur = run_grpc_workload_sync(server.target, w, desc=f"gRPC {i}", prefix=f"p{i}")
         else:
-            recs, dur = asyncio.run(
-                run_http_workload(f"http://127.0.0.1:{server.http_port}/v1", SERVED_NAME, w, desc=f"HTTP {i}")
-            )
+            recs, dur = asyncio.run(run_http_workload(_http_base(server), SERVED_NAME, w, desc=f"HTTP {i}"))
         s = summarize(recs, dur)
         tput[proto].append(s["output_tokens_per_s"])
         print(f"{proto:>5} burst {i}: {s['output_tokens_per_s']:7.1f} tok/s (errors {s['num_errors']})", flush=True)
@@ -287,18 +295,11 @@ def run_aiperf(host_port: str, rates: list[float], args, label: str) -> list[dic
 
 def aiperf_both(args, rates: list[float]) -> dict:
     found: dict[str, Any] = {}
-    server = CbserveServer(Path(args.workdir), "fcfs", dtype=args.dtype).start()
-    try:
+    with CbserveServer(Path(args.workdir), "fcfs", dtype=args.dtype) as server:
         found["cbserve"] = run_aiperf(f"127.0.0.1:{server.http_port}", rates, args, "cbserve")
-    finally:
-        server.stop()
     if vllm_available():
-        vllm = VllmServer(str(export_smollm2_hf(verbose=False)), args.dtype, Path(args.workdir))
-        try:
-            vllm.start()
+        with VllmServer(str(export_smollm2_hf(verbose=False)), args.dtype, Path(args.workdir)) as vllm:
             found["vllm-cpu-serve"] = run_aiperf(f"127.0.0.1:{vllm.port}", rates, args, "vllm-cpu-serve")
-        finally:
-            vllm.stop()
     return found
 
 
@@ -321,17 +322,12 @@ def run(args) -> dict:
             "python": platform.python_version(),
         },
     }
-    server = CbserveServer(workdir, "fcfs", dtype=args.dtype).start()
-    try:
-        _warm_up(f"http://127.0.0.1:{server.http_port}/v1", SERVED_NAME)
-        results["systems"]["cbserve"] = sweep(
-            f"http://127.0.0.1:{server.http_port}/v1", SERVED_NAME, rates, args, "cbserve"
-        )
+    with CbserveServer(workdir, "fcfs", dtype=args.dtype) as server:
+        _warm_up(_http_base(server), SERVED_NAME)
+        results["systems"]["cbserve"] = sweep(_http_base(server), SERVED_NAME, rates, args, "cbserve")
         if args.protocol_pairs:
             results["http_vs_grpc"] = http_vs_grpc(server, args)
         results["cbserve_startup_s"] = server.startup_s
-    finally:
-        server.stop()
     if "vllm-cpu-serve" in args.systems:
         if not vllm_available():
             results["vllm_error"] = "vLLM venv missing: run `make bench-peers`"
@@ -536,12 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(results, indent=1, default=str))
     elif args.protocols_only:
         results = json.loads(json_path.read_text())
-        server = CbserveServer(Path(args.workdir), "fcfs", dtype=args.dtype).start()
-        try:
-            _warm_up(f"http://127.0.0.1:{server.http_port}/v1", SERVED_NAME)
+        with CbserveServer(Path(args.workdir), "fcfs", dtype=args.dtype) as server:
+            _warm_up(_http_base(server), SERVED_NAME)
             results["http_vs_grpc"] = http_vs_grpc(server, args)
-        finally:
-            server.stop()
         results["config"]["protocol_pairs"] = args.protocol_pairs
         json_path.write_text(json.dumps(results, indent=1, default=str))
     else:
