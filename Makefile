@@ -32,7 +32,7 @@ serve: install
 
 # Style and layering (seconds): ruff lint + format check, clang-format on
 # native/csrc, and the import-linter contracts of pyproject.toml.
-CXX_SRC = $(shell find native/csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
+CXX_SRC = $(shell find native/csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -110,6 +110,8 @@ native-cuda-check:
 	@nvcc=$$(command -v nvcc || echo /usr/local/cuda/bin/nvcc); \
 	test -x "$$nvcc" || { echo "native-cuda-check: nvcc not found" >&2; exit 1; }; \
 	mkdir -p build/native-cuda && \
-	set -x && "$$nvcc" -O3 -std=c++17 -Xcompiler -Wall \
-	  -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
-	  -Inative/csrc -c native/csrc/cuda_kernels.cu -o build/native-cuda/cuda_kernels.o
+	for cu in native/csrc/*.cu; do \
+	  ( set -x && "$$nvcc" -O3 -std=c++17 -Xcompiler -Wall \
+	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+	    -Inative/csrc -c $$cu -o build/native-cuda/$$(basename $$cu .cu).o ) || exit 1; \
+	done

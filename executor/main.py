@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="the router's YAML file: its cache section sizes the KV pool")
     p.add_argument("--attention-backend", default="native", choices=["native", "torch"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=256,
+        help="on a CUDA GPU: capture decode steps of up to this many sequences as CUDA graphs (0 = eager)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of this process (0 = off)")
     p.add_argument("--tls-cert", default="", help="TLS certificate for a TCP listener")
     p.add_argument("--tls-key", default="")
@@ -69,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     num_swap = shape.blocks_for(cache.swap_space_bytes)
     try:
         runner = ModelRunner(
-            model, cache.block_size, num_blocks, num_swap, args.attention_backend, kv_cache_dtype=kv_dtype
+            model,
+            cache.block_size,
+            num_blocks,
+            num_swap,
+            args.attention_backend,
+            kv_cache_dtype=kv_dtype,
+            cuda_graph_max_batch=max(0, args.cuda_graph_max_batch),
         )
     except KVCacheTooLarge as exc:
         return _refused(exc)
@@ -97,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=num_blocks,
         block_size=cache.block_size,
         backend=args.attention_backend,
+        gpu_lean_forward=runner.gpu is not None,
+        cuda_graphs=runner.graph_capture,
         threads=torch.get_num_threads(),
         omp_proc_bind=os.environ.get("OMP_PROC_BIND", ""),
     )

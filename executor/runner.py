@@ -5,6 +5,10 @@ PlanError on a contradiction), prepare inputs (every scheduled token of every
 sequence packed into one row, no padding), run the model (the CPU lean
 forward or the transformers model, with paged attention; hidden states kept
 only for the rows that sample), and sample (LM head on those rows only).
+
+On a CUDA GPU a Llama-family model runs the GPU lean forward
+(executor/gpu/lean_forward.py), and a pure-decode step replays a CUDA graph
+(executor/gpu/graphs.py) instead of the four phases' tensor building.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class _Batch:
     sample_rows: torch.Tensor  # [S] long: the rows whose next token is sampled
     sample_seqs: list[int]  # [S]: those rows' sequences, as indices into the scheduled list
     sample_states: list[tuple[int, SeqState]]  # [S]: (seq_id, state) of those sequences
+    max_q_len: int  # the longest query of the step
 
 
 def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
@@ -69,6 +74,7 @@ class ModelRunner:
         prepack: bool = True,
         lean_forward: bool = True,
         kv_cache_dtype: torch.dtype | None = None,
+        cuda_graph_max_batch: int = 256,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -108,6 +114,29 @@ class ModelRunner:
         self.kv = KVCache(self.cache_shape, num_blocks, num_swap_blocks, device=str(self.device))
         self.state = BatchState()
         self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.gpu = None  # the GPU lean forward, where it runs this model
+        self.graphs = None  # its decode steps as CUDA graphs
+        self.graph_capture: dict | None = None
+        if self.device.type == "cuda" and attention_backend == "native" and lean_forward:
+            self._build_gpu_forward(model, cuda_graph_max_batch)
+
+    def _build_gpu_forward(self, model: torch.nn.Module, cuda_graph_max_batch: int) -> None:
+        from executor.gpu import lean_forward as gpu_lean
+
+        why = gpu_lean.supported(model)
+        if why is None and self.kv.num_blocks * self.block_size >= 2**31:
+            why = "more cache slots than int32 indexes"
+        if why is not None:
+            _LOGGER.info("GPU lean forward off; the transformers forward runs", reason=why)
+            return
+        self.gpu = gpu_lean.GpuLeanForward(model, self.max_context)
+        if cuda_graph_max_batch > 0:
+            from executor.gpu.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                self.gpu, model.lm_head, self.kv, self.block_size, self.max_context, cuda_graph_max_batch
+            )
+            self.graph_capture = self.graphs.capture()
 
     def _lean_modules(self) -> list[torch.nn.Module]:
         return [] if self.lean is None else self.lean.modules()
@@ -155,6 +184,11 @@ class ModelRunner:
         scheduled = self._apply_plan(plan)
         if not scheduled:
             return StepOutput([], [], None, 0.0, time.perf_counter() - t0)
+        if self.graphs is not None and self._graphable(scheduled):
+            tf = time.perf_counter()
+            seq_ids, tokens, logprobs = self._graph_decode(scheduled)
+            forward = time.perf_counter() - tf
+            return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0)
         batch = self._prepare_inputs(scheduled)
         tf = time.perf_counter()
         rows = self._run_model(batch)
@@ -174,6 +208,35 @@ class ModelRunner:
         self.kv.swap_in([(c.src, c.dst) for c in plan.swap_in])
         scheduled = [(s.seq_id, s.num_tokens, self._admit(s)) for s in plan.seqs]
         return [x for x in scheduled if x[1] > 0]
+
+    def _graphable(self, scheduled: list[tuple[int, int, SeqState]]) -> bool:
+        """A pure-decode step (one token per sequence, each sampling) that
+        fits the largest captured bucket."""
+        return len(scheduled) <= self.graphs.max_batch and all(
+            n == 1 and st.num_computed + 1 == len(st.token_ids) for _, n, st in scheduled
+        )
+
+    def _graph_decode(
+        self, scheduled: list[tuple[int, int, SeqState]]
+    ) -> tuple[list[int], list[int], list[float] | None]:
+        positions = [st.num_computed for _, _, st in scheduled]
+        if max(positions) >= self.max_context:
+            raise PlanError(f"a sequence reaches {max(positions) + 1} tokens, beyond the context {self.max_context}")
+        bucket, argmax = self.graphs.run(
+            [st.token_ids[-1] for _, _, st in scheduled], positions, [st.block_table for _, _, st in scheduled]
+        )
+        for _, _, st in scheduled:
+            st.num_computed += 1
+        states = [(seq_id, st) for seq_id, _, st in scheduled]
+        params = [st.sampling for _, st in states]
+        logprobs = None
+        if greedy_only(params):  # the graph's own argmax, on the device
+            tokens = self.graphs.tokens_to_host(argmax, len(states))
+        else:
+            logits = self.graphs.logits[bucket][: len(states)]
+            hist = [st.token_ids if st.sampling.needs_history else None for _, st in states]
+            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in states])
+        return self._record(states, tokens), tokens, logprobs
 
     def _prepare_inputs(self, scheduled: list[tuple[int, int, SeqState]]) -> _Batch:
         """Packs every scheduled token into one row (no padding): token ids,
@@ -215,13 +278,15 @@ class ModelRunner:
             [st.block_table + [0] * (max_blocks - len(st.block_table)) for _, _, st in scheduled], dtype=torch.int32
         )
         dev = self.device
+        # The GPU lean forward's kernels index with int32.
+        index = torch.int32 if self.gpu is not None else torch.int64
         # On a GPU as normal tensors, not inference tensors: their version
         # counters let the native ops validate them once per step, not once
         # per layer (each check waits for the GPU; see native/csrc/ops.cpp).
         with torch.inference_mode(dev.type == "cpu"):
             meta = attention.AttnMetadata(
                 kv_cache=self.kv,
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                slot_mapping=torch.tensor(slots, dtype=index, device=dev),
                 block_tables=tables.to(dev),
                 cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -230,17 +295,31 @@ class ModelRunner:
             )
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=index, device=dev),
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sample_seqs=sample_seqs,
             sample_states=sample_states,
+            max_q_len=max(n for _, n, _ in scheduled),
         )
 
     def _run_model(self, batch: _Batch) -> torch.Tensor:
         """The final hidden states of the rows that sample, in order."""
         meta = batch.meta
         num_sampled = len(batch.sample_seqs)
+        if self.gpu is not None:
+            from executor.gpu.lean_forward import StepInputs
+
+            inputs = StepInputs(
+                batch.input_ids,
+                batch.positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                batch.max_q_len,
+            )
+            return self.gpu(inputs, self.kv).index_select(0, batch.sample_rows)
         if self.lean is not None and num_sampled < batch.input_ids.numel():
             # A prompt chunk is in the step: its unsampled rows stop at the
             # last layer's cache write (fast_forward.SampledRows).
@@ -285,12 +364,15 @@ class ModelRunner:
             logits = self.model.lm_head(rows)
             hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
             tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states])
-        seq_ids = []
-        for (seq_id, st), tok in zip(sample_states, tokens):
+        return self._record(sample_states, tokens), tokens, logprobs
+
+    @staticmethod
+    def _record(sample_states: list[tuple[int, SeqState]], tokens: list[int]) -> list[int]:
+        """Appends each sampled token to its sequence; returns the seq ids."""
+        for (_, st), tok in zip(sample_states, tokens):
             st.token_ids.append(tok)
             st.num_output += 1
-            seq_ids.append(seq_id)
-        return seq_ids, tokens, logprobs
+        return [seq_id for seq_id, _ in sample_states]
 
 
 def greedy_generate(runner: ModelRunner, prompts: list[list[int]], n_new: int) -> list[list[int]]:

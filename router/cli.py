@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--executor-threads", type=int, default=0, help="torch threads of the executor (0 = one per core)"
     )
     serve.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=256,
+        help="executor on a CUDA GPU: decode steps of up to this many sequences replay CUDA graphs (0 = eager)",
+    )
+    serve.add_argument(
         "--executor-metrics-port", type=int, default=0, help="Prometheus port of the executor process (0 = off)"
     )
     router = sub.add_parser("router", help="start the router alone")

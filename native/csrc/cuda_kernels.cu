@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda_common.cuh"
 #include "cuda_launchers.h"
 
 namespace {
@@ -22,36 +23,6 @@ namespace {
 constexpr int kRows = 8;   // warps (rows) per block
 constexpr int kTile = 32;  // KV tokens per shared-memory tile
 constexpr int kMaxDPerLane = CBSERVE_CUDA_MAX_HEAD_DIM / 32;
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) {
-  return __float2half_rn(x);
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kRows * 32)
@@ -154,6 +125,9 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
   }
 }
 
+constexpr int kMaxD = CBSERVE_CUDA_MAX_HEAD_DIM;
+constexpr size_t attention_smem(int64_t D) { return (2 * size_t(kTile) * (D + 1) + size_t(kRows) * D) * sizeof(float); }
+
 template <typename T>
 int launch_attention(void* out, const void* q, const void* kc, const void* vc, const int32_t* bt, const int32_t* cu,
                      const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq, int64_t hkv, int64_t D, int64_t bs,
@@ -163,10 +137,13 @@ int launch_attention(void* out, const void* q, const void* kc, const void* vc, c
     return int(cudaErrorInvalidValue);
   const int64_t G = hq / hkv;
   const int64_t tiles = (max_q_len * G + kRows - 1) / kRows;
-  const size_t smem = (2 * size_t(kTile) * (D + 1) + size_t(kRows) * D) * sizeof(float);
-  cudaError_t err =
-      cudaFuncSetAttribute(paged_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return int(err);
+  const size_t smem = attention_smem(D);
+  // Raised once, to what the largest head_dim needs: no runtime call but the
+  // launch itself per step, which keeps a captured CUDA graph free of them
+  // (the attribute is per device: one executor process drives one GPU).
+  static const cudaError_t raised = cudaFuncSetAttribute(
+      paged_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(attention_smem(kMaxD)));
+  if (raised != cudaSuccess) return int(raised);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(hkv), static_cast<unsigned>(B));
   paged_attention_kernel<T><<<grid, kRows * 32, smem, stream>>>(
       static_cast<T*>(out), static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), bt, cu, sl,

@@ -22,6 +22,23 @@ int cbserve_paged_attention_cuda(int dtype, void* out, const void* query, const 
 int cbserve_reshape_and_cache_cuda(int dtype, const void* key, const void* value, void* key_cache, void* value_cache,
                                    const int64_t* slot_mapping, int64_t num_tokens, int64_t row_elems, void* stream);
 
+// Layer kernels of the GPU lean forward (cuda_layer_kernels.cu); every size
+// is an argument, nothing is read back on the host (CUDA-graph safe).
+// x, residual [rows, hidden] in place: add != 0: residual += x first; then
+// x = weight * rms_norm(residual). add == 0: residual = x, then the norm.
+int cbserve_add_rms_norm_cuda(int dtype, void* x, void* residual, const void* weight, int64_t rows, int64_t hidden,
+                              float eps, int add, void* stream);
+
+// qkv [T, (hq + 2 hkv) * head_dim]: rotary on q (written to q_out [T, hq,
+// head_dim]) and k at positions[t] (cos / sin tables [P, head_dim]); k and v
+// written to slot slots[t] of the caches (none where it is negative).
+int cbserve_rotary_cache_cuda(int dtype, void* q_out, const void* qkv, const int32_t* positions, const void* cos,
+                              const void* sin, void* key_cache, void* value_cache, const int32_t* slots,
+                              int64_t num_tokens, int64_t hq, int64_t hkv, int64_t head_dim, void* stream);
+
+// out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter].
+int cbserve_silu_and_mul_cuda(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter, void* stream);
+
 const char* cbserve_cuda_error_string(int err);
 
 #ifdef __cplusplus

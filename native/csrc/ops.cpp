@@ -17,7 +17,9 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "gpu_ops.h"
 #include "kernels.h"
+#include "py_errors.h"
 
 #ifdef CBSERVE_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -30,32 +32,6 @@ namespace py = pybind11;
 using namespace cbserve_native;
 
 namespace {
-
-// ---------------------------------------------------------------- errors ---
-template <typename... Args>
-std::string cat(const Args&... args) {
-  std::ostringstream ss;
-  (ss << ... << args);
-  return ss.str();
-}
-#define CB_VALUE(cond, ...)                               \
-  do {                                                    \
-    if (!(cond)) throw py::value_error(cat(__VA_ARGS__)); \
-  } while (0)
-#define CB_TYPE(cond, ...)                               \
-  do {                                                   \
-    if (!(cond)) throw py::type_error(cat(__VA_ARGS__)); \
-  } while (0)
-#define CB_INDEX(cond, ...)                               \
-  do {                                                    \
-    if (!(cond)) throw py::index_error(cat(__VA_ARGS__)); \
-  } while (0)
-
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream ss;
-  ss << t.sizes();
-  return ss.str();
-}
 
 // ------------------------------------------------------- ISA dispatch ---
 struct CpuFeatures {
@@ -514,4 +490,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_cuda", &has_cuda);
   m.def("cpu_features", &cpu_features);
   m.def("set_isa", &set_isa, py::arg("isa"));
+  cbserve_native::register_gpu_ops(m);
 }

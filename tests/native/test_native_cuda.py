@@ -35,7 +35,8 @@ def _nvcc():
 def test_cuda_sources_compile():
     r = subprocess.run(["make", "-s", "native-cuda-check"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert os.path.getsize(os.path.join(ROOT, "build", "native-cuda", "cuda_kernels.o")) > 0
+    for obj in ("cuda_kernels.o", "cuda_layer_kernels.o"):
+        assert os.path.getsize(os.path.join(ROOT, "build", "native-cuda", obj)) > 0
 
 
 @st.composite

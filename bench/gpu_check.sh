@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/native.md in one go, on a machine with an NVIDIA GPU
+# and a CUDA build of torch but no cbserve venv: builds native._C with CUDA
+# in place, runs the GPU tests, then times the decode step
+# (python -m bench.gpu_step). Wheels in .whl/ (what that machine's Python
+# lacks) are installed to a private target first. Logs and results go to
+# $OUT (default: build/gpu-check).
+#   bench/gpu_check.sh [build|test|bench|server]...   (default: all four)
+set -uo pipefail
+OUT=${OUT:-build/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cbserve-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/cbserve-site
+fi
+export PYTHONPATH=$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}
+steps=${*:-build test bench server}
+rc=0
+for step in $steps; do
+  case $step in
+    build)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+      t0=$(date +%s)
+      # setup.py refuses a wrapper compiler that links libstdc++ statically
+      # (the CUDA image's default one does): the system compiler where present.
+      if [ -x /usr/bin/g++ ]; then export CXX=${CXX:-/usr/bin/g++} CC=${CC:-/usr/bin/gcc}; fi
+      CBSERVE_CUDA_ARCHS=${CBSERVE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} \
+        $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      echo "build: $(($(date +%s) - t0)) s"
+      $PY -c "import native; assert native.has_cuda(), 'native._C built without CUDA'" || exit 1
+      ;;
+    test)
+      $PY -m pytest -q -p no:cacheprovider tests/executor/test_gpu_forward.py tests/native/test_native_cuda.py \
+        tests/executor/test_device.py 2>&1 | tee "$OUT/test.log" | tail -25 || rc=1
+      ;;
+    bench)
+      $PY -m bench.gpu_step --out "$OUT/gpu_step.json" 2>&1 | tee "$OUT/bench.log" | tail -20 || rc=1
+      ;;
+    server)
+      $PY -m pytest -q -p no:cacheprovider tests/integration/test_cuda_server.py 2>&1 | tee "$OUT/server.log" \
+        | tail -15 || rc=1
+      ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
+exit $rc

@@ -1,0 +1,148 @@
+"""The executor's decode step on a CUDA GPU (`python -m bench.gpu_step`).
+
+A SmolLM2-shaped random Llama (same shapes and work as SmolLM2-135M, EOS
+never sampled on purpose: the steps are timed, not the text) in bf16, its
+`ModelRunner` driven alone with the plans the router would send: 128-token
+prompts prefilled, then decode steps of the whole batch. Three executors on
+the same weights:
+
+- `transformers`: the transformers layer code with the native paged
+  attention, launched op by op (the GPU path before the lean forward);
+- `lean`: the GPU lean forward (executor/gpu/lean_forward.py), eager;
+- `graphs`: the lean forward's decode steps replayed from CUDA graphs
+  (executor/gpu/graphs.py), as `cbserve serve --device cuda` runs.
+
+Per executor and batch size: the step's wall time (plan in, tokens on the
+host; median of `--repeats`), and for `graphs` the GPU time of one replay
+alone (CUDA events); plus how many greedy tokens the three agree on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.standalone import first_divergence, measure_runner
+from executor.model_loader import load_model
+from executor.model_source import resolve
+from executor.runner import ModelRunner, greedy_generate
+
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+MODES = ("transformers", "lean", "graphs")
+BLOCK_SIZE = 16
+
+
+def _runner(model, mode: str, num_blocks: int, max_batch: int) -> ModelRunner:
+    return ModelRunner(
+        model,
+        BLOCK_SIZE,
+        num_blocks,
+        lean_forward=mode != "transformers",
+        cuda_graph_max_batch=max_batch if mode == "graphs" else 0,
+    )
+
+
+def _replay_ms(runner: ModelRunner, batch: int, n: int = 200) -> float:
+    """GPU time of one replay of the batch's graph (static buffers as the last step left them)."""
+    g = runner.graphs.graphs[runner.graphs.bucket_for(batch)]
+    for _ in range(10):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    spec = "tiny:" + json.dumps(SMOLLM2_SHAPE)
+    model = load_model(resolve(spec), torch.bfloat16, torch.device("cuda"))
+    per_seq = -(-(prompt_len + decode_tokens) // BLOCK_SIZE)
+    num_blocks = max(batches) * per_seq + 8
+    out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "agreement": {}}
+    prompts = [torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (prompt_len,)).tolist() for _ in range(8)]
+    tokens: dict[str, list[list[int]]] = {}
+    for mode in MODES:
+        t0 = time.perf_counter()
+        runner = _runner(model, mode, num_blocks, max(batches))
+        built = time.perf_counter() - t0
+        tokens[mode] = greedy_generate(runner, prompts, 32)
+        for batch in batches:
+            steps = [measure_runner(runner, batch, prompt_len, decode_tokens)["step_ms"] for _ in range(repeats)]
+            row = {
+                "mode": mode,
+                "batch": batch,
+                "step_ms": round(statistics.median(steps), 3),
+                "step_ms_all": [round(s, 3) for s in steps],
+                "tok_s": round(batch * 1e3 / statistics.median(steps)),
+                "start_s": round(built, 2),
+            }
+            if mode == "graphs":
+                row["replay_gpu_ms"] = round(_replay_ms(runner, batch), 3)
+                row["capture"] = runner.graph_capture
+            out["rows"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    for mode in MODES[1:]:
+        div = first_divergence(tokens["transformers"], tokens[mode])
+        out["agreement"][mode] = {"first_divergence": div, "identical": div == [32] * len(prompts)}
+    return out
+
+
+def render(result: dict) -> str:
+    lines = [
+        f"GPU: {result['gpu']}, torch {result['torch']}",
+        "| executor | batch | step ms | tok/s | GPU ms per replay |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        gpu = r.get("replay_gpu_ms", "")
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['step_ms']} | {r['tok_s']} | {gpu} |")
+    for mode, a in result["agreement"].items():
+        lines.append(f"greedy tokens vs transformers, {mode}: first divergence per prompt {a['first_divergence']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_step", description=__doc__)
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=129)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="", help="write the result as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.stderr.write("bench.gpu_step needs a CUDA GPU\n")
+        return 2
+    result = run([int(b) for b in args.batches.split(",")], args.prompt_len, args.decode_tokens, args.repeats)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+    sys.stdout.write(render(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
