@@ -99,6 +99,7 @@ def cmd_run(a) -> int:
         target=a.target,
         metrics_url=a.metrics_url,
         config_overrides=_overrides(a),
+        device=a.device,
     )
     for r in runs:
         s = r["summary"]
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cbserve-<policy> (fcfs|sjf|priority|static|dynamic), hf-static, hf-cb, vllm-cpu",
     )
     r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    r.add_argument("--device", default="cpu", help="cbserve's executor and the HF peers: cpu | cuda (vllm-cpu: cpu)")
     r.add_argument("--model", default=None, help="cbserve --model (default: its embedded SmolLM2)")
     r.add_argument("--model-dir", default=None, help="HF checkpoint dir for the peers (default: exported SmolLM2)")
     r.add_argument("--target", default=None, help="host:port of a running cbserve (no server is started)")

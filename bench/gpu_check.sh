@@ -5,7 +5,7 @@
 # (python -m bench.gpu_step). Wheels in .whl/ (what that machine's Python
 # lacks) are installed to a private target first. Logs and results go to
 # $OUT (default: build/gpu-check).
-#   bench/gpu_check.sh [build|test|bench|server]...   (default: all four)
+#   bench/gpu_check.sh [build|test|bench|server|serve]...   (default: all five)
 set -uo pipefail
 OUT=${OUT:-build/gpu-check}
 mkdir -p "$OUT"
@@ -16,7 +16,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/cbserve-site
 fi
 export PYTHONPATH=$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}
-steps=${*:-build test bench server}
+steps=${*:-build test bench server serve}
 rc=0
 for step in $steps; do
   case $step in
@@ -42,6 +42,22 @@ for step in $steps; do
     server)
       $PY -m pytest -q -p no:cacheprovider tests/integration/test_cuda_server.py 2>&1 | tee "$OUT/server.log" \
         | tail -15 || rc=1
+      ;;
+    serve)
+      # The classic workload through the whole server on the GPU, and HF
+      # generate() static batches on the same GPU, same model shapes.
+      dir=/tmp/cbserve-smollm2-shaped
+      spec=$($PY -m bench.gpu_step --export "$dir" 2>/dev/null | tail -1) || exit 1
+      mkdir -p "$OUT/serve"
+      for cap in ${CAPS:-32 128 512}; do
+        for sys in cbserve-fcfs hf-static; do
+          $PY -m bench run --system "$sys" --device cuda --model "$spec" --model-dir "$dir" -n 64 --prompt-len 128 \
+            --output-dist exponential --cap "$cap" --out "$OUT/serve/$sys-$cap.json" --no-progress 2>&1 \
+            | grep "tok/s" | tee -a "$OUT/serve.log" || rc=1
+        done
+      done
+      $PY -c "import glob, json, sys; json.dump({p: json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'))" \
+        "$OUT/serve" "$OUT/serve.json" && rm -rf "$OUT/serve"
       ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

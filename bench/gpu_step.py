@@ -73,6 +73,27 @@ def _replay_ms(runner: ModelRunner, batch: int, n: int = 200) -> float:
     return start.elapsed_time(end) / n
 
 
+def _kernel_profile(runner: ModelRunner, batch: int, n: int = 20, top: int = 10) -> list[dict]:
+    """GPU time per replay of the batch's graph by kernel (torch.profiler),
+    the `top` kernels first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = runner.graphs.graphs[runner.graphs.bucket_for(batch)]
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "us_per_step": round(us / n, 1), "calls_per_step": e.count // n})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
 def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int) -> dict:
     torch.manual_seed(0)
     spec = "tiny:" + json.dumps(SMOLLM2_SHAPE)
@@ -100,6 +121,10 @@ def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int) -
             if mode == "graphs":
                 row["replay_gpu_ms"] = round(_replay_ms(runner, batch), 3)
                 row["capture"] = runner.graph_capture
+                try:
+                    row["kernels"] = _kernel_profile(runner, batch)
+                except Exception as exc:  # noqa: BLE001  (a profiler that cannot trace graphs: no breakdown)
+                    row["kernels"] = [{"kernel": f"profiler failed: {exc}"[:90], "us_per_step": 0, "calls_per_step": 0}]
             out["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         del runner
@@ -120,6 +145,10 @@ def render(result: dict) -> str:
     for r in result["rows"]:
         gpu = r.get("replay_gpu_ms", "")
         lines.append(f"| {r['mode']} | {r['batch']} | {r['step_ms']} | {r['tok_s']} | {gpu} |")
+    for r in result["rows"]:
+        if r.get("kernels"):
+            lines.append(f"GPU time per graphed step at batch {r['batch']}, by kernel (us, calls):")
+            lines += [f"  {k['us_per_step']:8.1f} {k['calls_per_step']:4d}  {k['kernel']}" for k in r["kernels"]]
     for mode, a in result["agreement"].items():
         lines.append(f"greedy tokens vs transformers, {mode}: first divergence per prompt {a['first_divergence']}")
     return "\n".join(lines)
@@ -132,7 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=129)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="", help="write the result as JSON here")
+    p.add_argument(
+        "--export",
+        default="",
+        metavar="DIR",
+        help="only write the model as an HF checkpoint to DIR (for the HF peers) and print its cbserve --model spec",
+    )
     args = p.parse_args(argv)
+    if args.export:
+        spec = "tiny:" + json.dumps(SMOLLM2_SHAPE, separators=(",", ":"))
+        load_model(resolve(spec), torch.bfloat16).save_pretrained(args.export)
+        sys.stdout.write(spec + "\n")
+        return 0
     if not torch.cuda.is_available():
         sys.stderr.write("bench.gpu_step needs a CUDA GPU\n")
         return 2

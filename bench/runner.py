@@ -88,6 +88,7 @@ def run_cbserve(
     progress: bool = True,
     config_overrides: dict | None = None,
     warmup: bool = True,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """One server for `policy` (unless `target` points at a running one), every
     workload in turn against it."""
@@ -101,11 +102,14 @@ def run_cbserve(
     server = None
     try:
         if target is None:
-            server = CbserveServer(workdir, policy, model=model, dtype=dtype, config_overrides=config_overrides)
+            server = CbserveServer(
+                workdir, policy, model=model, dtype=dtype, config_overrides=config_overrides, device=device
+            )
             server.start()
             target, metrics_url = server.target, server.metrics_url
         meta = {
             "policy": policy,
+            "device": device,
             "target": target,
             "startup_s": server.startup_s if server else None,
             "server_cmd": " ".join(server.cmd) if server else None,
@@ -147,22 +151,29 @@ def run_cbserve(
 # ------------------------------------------------------------------ HF peers
 
 
-def _load_hf(model_dir: str, dtype: str):
+def _load_hf(model_dir: str, dtype: str, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
 
 def run_hf(
-    system: str, workloads: list[Workload], *, dtype: str, model_dir: str, batch_size: int = 16, progress: bool = True
+    system: str,
+    workloads: list[Workload],
+    *,
+    dtype: str,
+    model_dir: str,
+    batch_size: int = 16,
+    progress: bool = True,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     from bench.peers.hf_cb import run_hf_cb
     from bench.peers.hf_static import run_hf_static
 
     out = []
     try:
-        model = _load_hf(model_dir, dtype)
+        model = _load_hf(model_dir, dtype, device)
     except Exception as e:  # noqa: BLE001
         return [failed_run(system, dtype, w, f"load failed: {e}") for w in workloads]
     for w in workloads:
@@ -264,6 +275,7 @@ def run_system(
     target: str | None = None,
     metrics_url: str | None = None,
     config_overrides: dict | None = None,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     if system.startswith("cbserve-"):
         return run_cbserve(
@@ -276,9 +288,12 @@ def run_system(
             metrics_url=metrics_url,
             progress=progress,
             config_overrides=config_overrides,
+            device=device,
         )
     if system in ("hf-static", "hf-cb"):
-        return run_hf(system, workloads, dtype=dtype, model_dir=model_dir, batch_size=batch_size, progress=progress)
+        return run_hf(
+            system, workloads, dtype=dtype, model_dir=model_dir, batch_size=batch_size, progress=progress, device=device
+        )
     if system == "vllm-cpu":
         return run_vllm(workloads, dtype=dtype, model_dir=model_dir, workdir=workdir)
     raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")

@@ -91,8 +91,10 @@ class CbserveServer:
         ready_timeout_s: float = 600.0,
         config_overrides: dict[str, Any] | None = None,
         extra_args: list[str] | None = None,
+        device: str = "cpu",
     ):
         self.workdir = Path(workdir)
+        self.device = device
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.policy = policy
         self.model = model
@@ -121,14 +123,14 @@ class CbserveServer:
         cfg = write_router_config(
             self.workdir / f"router-{self.policy}.yaml", self.policy, **sched, extra=self.config_overrides.get("extra")
         )
-        # On the CPU also where a GPU exists: the peers here are CPU builds
-        # (a GPU server is measured with `bench run --target`).
+        # On the CPU also where a GPU exists unless asked otherwise: the
+        # suite's peers are CPU builds (`bench run --device cuda` for a GPU).
         cmd = cbserve_command() + [
             "serve",
             "--dtype",
             self.dtype,
             "--device",
-            "cpu",
+            self.device,
             "--config",
             str(cfg),
             "--port",

@@ -77,7 +77,12 @@ def run_hf_static(
             mask[i, L - len(r.prompt_ids) :] = 1
         with torch.inference_mode():
             return model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, streamer=clock, **gen_kw
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                streamer=clock,
+                **gen_kw,
             )
 
     # Warm-up (excluded): one small batch.

@@ -14,10 +14,19 @@ extern "C" {
 
 // dtype: 0 = float32, 1 = bfloat16, 2 = float16 (cbserve_native::DType).
 // All pointers are device pointers; arguments must have been validated.
+// workspace: cbserve_paged_attention_workspace_floats(...) floats of device
+// memory when that is not 0 (a decode launch split over the KV range), else
+// nullptr; num_tokens is the query's T.
 int cbserve_paged_attention_cuda(int dtype, void* out, const void* query, const void* key_cache,
                                  const void* value_cache, const int32_t* block_tables, const int32_t* cu_seqlens_q,
                                  const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks, int64_t hq, int64_t hkv,
-                                 int64_t head_dim, int64_t block_size, int64_t max_q_len, float scale, void* stream);
+                                 int64_t head_dim, int64_t block_size, int64_t max_q_len, float scale, float* workspace,
+                                 int64_t num_tokens, void* stream);
+
+// Floats of workspace a launch with these sizes needs (0: it does not split).
+// CBSERVE_CUDA_SPLIT_KV=0 in the environment turns splitting off.
+int64_t cbserve_paged_attention_workspace_floats(int64_t num_tokens, int64_t hq, int64_t head_dim, int64_t max_blocks,
+                                                 int64_t block_size, int64_t max_q_len);
 
 int cbserve_reshape_and_cache_cuda(int dtype, const void* key, const void* value, void* key_cache, void* value_cache,
                                    const int64_t* slot_mapping, int64_t num_tokens, int64_t row_elems, void* stream);

@@ -175,10 +175,15 @@ void paged_attention_graphed(at::Tensor& out, const at::Tensor& query, const at:
 #ifdef CBSERVE_WITH_CUDA
   CB_VALUE(D <= CBSERVE_CUDA_MAX_HEAD_DIM, "CUDA paged_attention supports head_dim <= ", CBSERVE_CUDA_MAX_HEAD_DIM);
   CB_CUDA_STREAM(out);
-  launched(cbserve_paged_attention_cuda(
-               dtype_of(out), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-               block_tables.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), B,
-               block_tables.size(1), hq, hkv, D, key_cache.size(1), max_q_len, static_cast<float>(scale), stream),
+  const int64_t T = query.size(0), max_blocks = block_tables.size(1), bs = key_cache.size(1);
+  // From the caching allocator: inside a graph capture, the graph's own pool.
+  const int64_t ws_floats = cbserve_paged_attention_workspace_floats(T, hq, D, max_blocks, bs, max_q_len);
+  const at::Tensor ws = ws_floats ? at::empty({ws_floats}, out.options().dtype(at::kFloat)) : at::Tensor();
+  launched(cbserve_paged_attention_cuda(dtype_of(out), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
+                                        value_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                                        cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), B, max_blocks,
+                                        hq, hkv, D, bs, max_q_len, static_cast<float>(scale),
+                                        ws_floats ? ws.data_ptr<float>() : nullptr, T, stream),
            "paged_attention_graphed");
 #else
   no_cuda();

@@ -380,10 +380,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     CB_VALUE(D <= CBSERVE_CUDA_MAX_HEAD_DIM, "CUDA paged_attention supports head_dim <= ", CBSERVE_CUDA_MAX_HEAD_DIM,
              ", got ", D);
     const c10::cuda::CUDAGuard guard(query.device());
+    const int64_t ws_floats = cbserve_paged_attention_workspace_floats(T, hq, D, max_blocks, bs, max_q_len);
+    const at::Tensor ws = ws_floats ? at::empty({ws_floats}, query.options().dtype(at::kFloat)) : at::Tensor();
     const int err = cbserve_paged_attention_cuda(
         dtype_code(query.scalar_type()), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), B, max_blocks,
-        hq, hkv, D, bs, max_q_len, static_cast<float>(scale), c10::cuda::getCurrentCUDAStream().stream());
+        hq, hkv, D, bs, max_q_len, static_cast<float>(scale), ws_floats ? ws.data_ptr<float>() : nullptr, T,
+        c10::cuda::getCurrentCUDAStream().stream());
     CB_VALUE(err == 0, "paged_attention CUDA launch failed: ", cbserve_cuda_error_string(err));
     return;
 #else

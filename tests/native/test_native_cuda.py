@@ -154,3 +154,44 @@ def test_cuda_checks_follow_in_place_changes_of_tensors_already_checked():
     slots[2] = 32
     with pytest.raises(IndexError, match=r"slot_mapping\[2\] = 32 is out of range"):
         native.reshape_and_cache(key, key, kc, vc, slots)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("ctx_lens", "q_lens", "group"),
+    [
+        ([3000, 5, 700, 64], [1, 1, 1, 1], 3),  # split decode: 32 partitions of 96 tokens
+        ([2047, 1, 300], [1, 0, 1], 8),  # a sequence with no query token in the split launch
+        ([20, 9], [1, 1], 4),  # four table columns, 64 tokens: one partition, no split
+    ],
+)
+def test_cuda_decode_split_over_the_kv_range_matches_reference(dtype, ctx_lens, q_lens, group):
+    # Decode launches (every query length 0 or 1) split each sequence's KV
+    # range into partitions and combine them; the checked op and the one the
+    # CUDA graphs capture (no host checks) must give the reference.
+    from native import _C
+
+    batch = make_batch(q_lens, ctx_lens, hq=2 * group, hkv=2, d=64, block_size=16, dtype=dtype, device="cuda", seed=7)
+    scale = 64**-0.5
+    want = reference(batch, scale)
+    out = torch.full_like(batch["query"], float("nan"))
+    native.paged_attention(out, scale=scale, **batch)
+    graphed = torch.full_like(batch["query"], float("nan"))
+    b = batch
+    _C.paged_attention_graphed(
+        graphed,
+        b["query"],
+        b["key_cache"],
+        b["value_cache"],
+        b["block_tables"],
+        b["cu_seqlens_q"],
+        b["seq_lens"],
+        scale,
+        1,
+    )
+    torch.cuda.synchronize()
+    for got in (out, graphed):
+        assert not got.isnan().any()
+        assert (got.cpu().float() - want).abs().max().item() <= tolerance(dtype)
