@@ -593,26 +593,43 @@ def render_report(
     if results.get("commands"):
         lines += ["## Reproduce", "", "```", *results["commands"], "```", ""]
     path = out / md_name
-    # `bench online` keeps its section in this page between these markers; a
-    # new suite run carries it over.
-    kept = online_section(path.read_text(encoding="utf-8")) if path.exists() else ""
-    path.write_text("\n".join(lines) + (f"\n{kept}\n" if kept else ""))
+    # `bench online` and `bench.gpu_report` keep their sections in this page
+    # between markers; a new suite run carries them over.
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    kept = [k for k in (section(old, name) for name in KEPT_SECTIONS) if k]
+    path.write_text("\n".join(lines) + "".join(f"\n{k}\n" for k in kept))
     return path
 
 
-ONLINE_BEGIN, ONLINE_END = "<!-- bench online: begin -->", "<!-- bench online: end -->"
+# Sections of benchmarks.md written by other commands than the suite.
+KEPT_SECTIONS = ("online", "gpu")
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- bench {name}: begin -->", f"<!-- bench {name}: end -->"
+
+
+def section(text: str, name: str) -> str:
+    """The `name` block of a report page (markers included), or ""."""
+    begin, end = _markers(name)
+    i, j = text.find(begin), text.find(end)
+    return text[i : j + len(end)] if 0 <= i < j else ""
 
 
 def online_section(text: str) -> str:
     """The `bench online` block of a report page (markers included), or ""."""
-    i, j = text.find(ONLINE_BEGIN), text.find(ONLINE_END)
-    return text[i : j + len(ONLINE_END)] if 0 <= i < j else ""
+    return section(text, "online")
+
+
+def splice_section(page: Path, name: str, body: str) -> None:
+    """Puts `body` between the `name` markers of `page`, replacing any earlier block."""
+    text = page.read_text(encoding="utf-8") if page.exists() else ""
+    old = section(text, name)
+    begin, end = _markers(name)
+    block = f"{begin}\n{body.strip()}\n{end}"
+    text = text.replace(old, block) if old else text.rstrip() + "\n\n" + block + "\n"
+    page.write_text(text, encoding="utf-8")
 
 
 def splice_online_section(page: Path, body: str) -> None:
-    """Puts `body` between the markers of `page`, replacing any earlier block."""
-    text = page.read_text(encoding="utf-8") if page.exists() else ""
-    old = online_section(text)
-    block = f"{ONLINE_BEGIN}\n{body.strip()}\n{ONLINE_END}"
-    text = text.replace(old, block) if old else text.rstrip() + "\n\n" + block + "\n"
-    page.write_text(text, encoding="utf-8")
+    splice_section(page, "online", body)
