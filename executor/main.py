@@ -60,14 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         return _refused(exc)
     if args.threads:
         torch.set_num_threads(args.threads)
-    source = model_source.resolve(args.model)
     try:
+        source = model_source.resolve(args.model)
         device = model_loader.pick_device(args.device)
         dtype = model_loader.pick_dtype(args.dtype, device)
         kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype, str(device))
-    except ValueError as exc:
+        model = model_loader.load_model(source, dtype, device)
+    except (ValueError, FileNotFoundError) as exc:  # ModelNotServable is a ValueError
         return _refused(exc)
-    model = model_loader.load_model(source, dtype, device)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cache.block_size, kv_dtype)
@@ -85,12 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     except KVCacheTooLarge as exc:
         return _refused(exc)
+    except Exception as exc:  # noqa: BLE001  (a model whose first forward pieces fail cannot be served either)
+        return _refused(model_loader.ModelNotServable(f"{type(model).__name__}: cannot be served: {exc!r}"))
     eos = cfg.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     metrics = ExecutorMetrics()
     metrics.serve(args.metrics_port)
     service = ExecutorService(runner, source.name, eos_ids, metrics)
-    server, health = build_server(service, args.listen, args.tls_cert, args.tls_key)
+    try:
+        server, health = build_server(service, args.listen, args.tls_cert, args.tls_key)
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        return _refused(OSError(f"cannot listen on {args.listen}: {exc}"))
     # What exists now lives as long as the process (modules, parameters,
     # config tables, imported libraries): moved out of the cyclic GC's reach,
     # so a full collection never stalls a step walking them
@@ -114,8 +119,22 @@ def main(argv: list[str] | None = None) -> int:
         threads=torch.get_num_threads(),
         omp_proc_bind=os.environ.get("OMP_PROC_BIND", ""),
     )
+    _signal_ready()
     wait_forever(server, health, service.worker)
     return 0
+
+
+def _signal_ready() -> None:
+    """One byte to CBSERVE_READY_FD, where `cbserve serve` started this
+    process: it restarts an executor that dies only after this."""
+    fd = os.environ.get("CBSERVE_READY_FD")
+    if not fd:
+        return
+    try:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
+    except (OSError, ValueError):
+        pass
 
 
 def _trim_heap() -> int | None:
@@ -135,7 +154,7 @@ def _trim_heap() -> int | None:
 
 def _refused(exc: Exception) -> int:
     """Logs why the arguments or config cannot be served; the exit status."""
-    _LOGGER.error("executor arguments refused", error=str(exc))
+    _LOGGER.error("executor cannot start", error=str(exc))
     return USAGE_ERROR
 
 

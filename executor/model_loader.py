@@ -136,15 +136,56 @@ def checkpoint_dir(source: ModelSource) -> str | None:
     return None
 
 
+class ModelNotServable(ValueError):
+    """A model the executor cannot serve: not a decoder-only causal LM, or a
+    checkpoint that does not load. The message names the architecture."""
+
+
+def architecture(path: str) -> str:
+    """'<architectures[0]> (model_type <t>)' of a checkpoint directory's config.json."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ModelNotServable(f"{path}: config.json cannot be read: {exc}") from exc
+    archs = cfg.get("architectures") or ["?"]
+    return f"{archs[0]} (model_type {cfg.get('model_type', '?')})"
+
+
+def check_causal_lm(path: str) -> None:
+    """Refuses a checkpoint that transformers has no causal-LM class for
+    (an encoder-decoder like T5, an encoder like BERT, an unknown type)."""
+    import json
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+        model_type = json.load(fh).get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelNotServable(
+            f"{architecture(path)}: not a decoder-only causal LM that transformers can build "
+            "(cbserve serves the AutoModelForCausalLM architectures)"
+        )
+
+
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
-    """The causal LM in eval mode, on `device`, in `dtype`."""
+    """The causal LM in eval mode, on `device`, in `dtype`. ModelNotServable
+    where the checkpoint is not one or does not load."""
     t0 = time.perf_counter()
     if source.kind == "tiny":
         model = build_tiny(source, dtype)
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(source), dtype=dtype)
+        path = checkpoint_dir(source)
+        if source.kind == "hf_dir":
+            check_causal_lm(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001  (truncated files raise the safetensors library's own error)
+            raise ModelNotServable(f"{architecture(path)} at {path} does not load: {exc}") from exc
     model.to(device)
     model.eval()
     for p in model.parameters():

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return health_main(args.address, args.service, args.timeout)
     from router.config import ConfigError
+    from router.tokenizer import TokenizerUnavailable
 
     try:
         if args.cmd == "serve":
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"cbserve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a port in use, a certificate that cannot be read
+    except (OSError, TokenizerUnavailable) as exc:  # a port in use, a certificate or tokenizer that cannot be read
         print(f"cbserve: cannot start: {exc}", file=sys.stderr)
         return 2
 

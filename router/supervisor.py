@@ -1,6 +1,9 @@
 """`cbserve serve`: one machine, both processes. Starts the executor as a
 child process, runs the router in this one, restarts the executor when it dies
-or hangs, and stops both on SIGTERM / Ctrl-C."""
+or hangs after it once served, and stops both on SIGTERM / Ctrl-C. An
+executor that exits before it is ready (arguments it refuses, a model it
+cannot load, a crash while loading) is not restarted: it would fail the same
+way again, so `cbserve serve` stops with status 2."""
 
 from __future__ import annotations
 
@@ -26,14 +29,35 @@ class ExecutorProcess:
         self.on_refused = on_refused  # set when the executor refuses its arguments
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
-        self.refused = False  # it exited with EXECUTOR_USAGE_ERROR
+        self.refused = False  # it could not start: exited before it was ready, or with EXECUTOR_USAGE_ERROR
+        self.ready = False  # this process wrote its ready byte (executor/main.py)
         self._stopping = False
 
     async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "executor", *self.argv, start_new_session=True
-        )
+        # The executor writes one byte to CBSERVE_READY_FD once it serves.
+        read_fd, write_fd = os.pipe()
+        self.ready = False
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "executor",
+                *self.argv,
+                start_new_session=True,
+                pass_fds=(write_fd,),
+                env={**os.environ, "CBSERVE_READY_FD": str(write_fd)},
+            )
+        finally:
+            os.close(write_fd)
+        asyncio.get_running_loop().add_reader(read_fd, self._on_ready, read_fd)
         _LOGGER.info("executor started", pid=self.proc.pid)
+
+    def _on_ready(self, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)
+        try:
+            self.ready = os.read(fd, 1) != b""  # b"": it exited without being ready
+        finally:
+            os.close(fd)
 
     def kill(self, why: str) -> None:
         """For a hung executor: SIGKILL; the watch loop restarts it."""
@@ -47,9 +71,11 @@ class ExecutorProcess:
             rc = await self.proc.wait()
             if self._stopping:
                 return
-            if rc == EXECUTOR_USAGE_ERROR:  # bad --device / --dtype, a KV pool too large: a restart fails too
+            await asyncio.sleep(0)  # a ready byte written just before the exit is read first
+            if rc == EXECUTOR_USAGE_ERROR or not self.ready:  # a restart would fail the same way
                 self.refused = True
-                _LOGGER.error("executor refused its arguments; stopping", returncode=rc)
+                why = "refused its arguments or model" if rc == EXECUTOR_USAGE_ERROR else "exited before it was ready"
+                _LOGGER.error(f"executor {why}; stopping (see its log above)", returncode=rc)
                 if self.on_refused is not None:
                     self.on_refused.set()  # the router drains and returns
                 return

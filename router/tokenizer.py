@@ -81,6 +81,10 @@ def _cache_dir() -> str:
     return os.environ.get("CBSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cbserve")
 
 
+class TokenizerUnavailable(ValueError):
+    """The model's tokenizer cannot be loaded: the router cannot serve it."""
+
+
 def load_tokenizer(model: str | None) -> Tokenizer:
     from transformers import AutoTokenizer
 
@@ -101,7 +105,10 @@ def load_tokenizer(model: str | None) -> Tokenizer:
             hf = AutoTokenizer.from_pretrained(os.path.dirname(found.origin), gguf_file=GGUF_FILE)
         vocab = 49152
     elif os.path.isdir(spec):
-        hf = AutoTokenizer.from_pretrained(spec)
+        try:
+            hf = AutoTokenizer.from_pretrained(spec)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise TokenizerUnavailable(f"{spec}: no tokenizer the router can load: {exc}") from exc
         vocab = _config_vocab(spec) or len(hf)
     else:
         raise FileNotFoundError(f"model {spec!r} is neither 'smollm2', 'tiny' nor a local directory")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cbserve.v1 import generation_pb2 as gpb
+from router.tokenizer import build_tiny_tokenizer
 from tests.conftest import REPO, start_server, wait_serving
 from tests.integration.helpers import gen_request, stub, wait_idle
 
@@ -135,10 +137,10 @@ def test_drain_timeout_cancels_what_is_left():
     assert all(r is not None and (r[:2] == ("finished", "CANCELLED")) for r in results), results
 
 
-def _serve_refused(*args: str) -> str:
-    """Runs `cbserve serve` (tiny model) expecting the executor to refuse its
-    arguments: exit status 2 from both, after the router drained, and no
-    restart of the executor. Returns the log."""
+def _serve_refused(*args: str, model: str = "tiny", why: str = "refused its arguments or model") -> str:
+    """Runs `cbserve serve` (tiny model) expecting the executor not to start:
+    exit status 2, after the router drained, and no restart of the executor.
+    Returns the log."""
     out = subprocess.run(
         [
             sys.executable,
@@ -146,7 +148,7 @@ def _serve_refused(*args: str) -> str:
             "router.cli",
             "serve",
             "--model",
-            "tiny",
+            model,
             "--port",
             "0",
             "--metrics-port",
@@ -164,9 +166,85 @@ def _serve_refused(*args: str) -> str:
     )
     log = out.stdout + out.stderr
     assert out.returncode == 2, log[-3000:]
-    assert "executor refused its arguments; stopping" in log and "router stopped" in log
-    assert "executor exited; restarting" not in log
+    assert f"executor {why}; stopping" in log and "router stopped" in log
+    assert "executor exited; restarting" not in log and log.count("executor started") == 1
     return log
+
+
+def test_a_checkpoint_that_is_not_a_causal_lm_is_refused_by_name(tmp_path):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    T5ForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    log = _serve_refused("--device", "cpu", model=str(tmp_path))
+    assert "T5ForConditionalGeneration (model_type t5): not a decoder-only causal LM" in log
+
+
+def test_a_broken_checkpoint_is_refused_with_the_reason(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])  # truncated on the way
+    log = _serve_refused("--device", "cpu", model=str(tmp_path))
+    assert "LlamaForCausalLM (model_type llama) at" in log and "does not load" in log
+
+
+def test_a_checkpoint_without_a_tokenizer_stops_serve_with_the_reason(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ).save_pretrained(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]
+        + ["--metrics-port", "0", "--http-port", "0", "--host", "127.0.0.1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        out.returncode == 2
+        and "cbserve: cannot start:" in out.stderr
+        and "no tokenizer the router can load" in out.stderr
+    )
+    assert "Traceback" not in out.stderr
+
+
+def test_an_executor_address_in_use_is_refused_with_the_reason():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        log = _serve_refused("--device", "cpu", "--executor-address", f"127.0.0.1:{port}")
+    assert f"cannot listen on 127.0.0.1:{port}" in log
+
+
+def test_an_executor_that_dies_before_it_is_ready_is_not_restarted():
+    # Killed while it loads: whatever the cause, a restart would most likely
+    # die the same way, so serve stops instead of looping.
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", "0"]
+    proc = subprocess.Popen(
+        cmd + ["--metrics-port", "0", "--http-port", "0", "--host", "127.0.0.1"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    end, killed = time.monotonic() + 30, None
+    while killed is None and time.monotonic() < end:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            if "executor" in " ".join(child.cmdline()):
+                child.kill()
+                killed = child.pid
+        time.sleep(0.01)
+    log, _ = proc.communicate(timeout=60)
+    assert killed is not None and proc.returncode == 2, log[-3000:]
+    assert "executor exited before it was ready; stopping" in log and log.count("executor started") == 1
+    assert '"executor ready"' not in log
 
 
 @pytest.mark.parametrize("device", ["cuda:{count}", "tpu"])
