@@ -54,6 +54,10 @@ def paged_attention_forward(
     cb_meta.reshape_and_cache(k, v, cache.key[layer], cache.value[layer], cb_meta.slot_mapping)
     out = torch.empty_like(q)
     scale = float(scaling if scaling is not None else q.shape[-1] ** -0.5)
+    # Per layer, from the model code: Mistral / Qwen2 / Gemma 2-3 windows,
+    # Gemma 2's attention-logit soft cap.
+    window = kwargs.get("sliding_window") or 0
+    softcap = kwargs.get("softcap") or 0.0
     cb_meta.paged_attention(
         out,
         q,
@@ -63,6 +67,8 @@ def paged_attention_forward(
         cb_meta.cu_seqlens_q,
         cb_meta.seq_lens,
         scale,
+        int(window),
+        float(softcap),
     )
     return out.unsqueeze(0), None  # [1, T, Hq, D]
 

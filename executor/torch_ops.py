@@ -52,11 +52,15 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
     seq_lens: torch.Tensor,  # [B] int32, KV length including this step
     scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of each sequence's query tokens over its paged KV.
 
     Query token i of sequence b sits at position `seq_lens[b] - q_len_b + i`
-    and attends to KV positions <= its own. GQA when Hq is a multiple of Hkv.
+    and attends to KV positions <= its own (and > its own minus
+    `sliding_window` when that is set). GQA when Hq is a multiple of Hkv.
+    `softcap`: scaled scores s become softcap * tanh(s / softcap).
     """
     hq = query.shape[1]
     hkv = key_cache.shape[2]
@@ -74,8 +78,16 @@ def paged_attention(
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, kv, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
-        mask = torch.arange(kv_len, device=query.device).unsqueeze(0) <= q_pos  # [q, kv]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
-        )
+        k_pos = torch.arange(kv_len, device=query.device).unsqueeze(0)
+        mask = k_pos <= q_pos  # [q, kv]
+        if sliding_window:
+            mask &= k_pos > q_pos - sliding_window
+        if softcap:
+            s = (q @ k.transpose(1, 2)) * scale
+            s = torch.tanh(s / softcap) * softcap
+            o = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).unsqueeze(0)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
+            )
         out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)

@@ -53,6 +53,8 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of a packed batch of query tokens over a paged KV cache.
 
@@ -74,10 +76,16 @@ def paged_attention(
             sits at position `seq_lens[b] - q_len_b + i` and attends to KV
             positions `<=` its own.
         scale: softmax scale (usually `D ** -0.5`).
+        sliding_window: 0, or W: a query at position p sees only keys at
+            positions (p - W, p] (Mistral, Gemma 2/3's local layers).
+        softcap: 0, or C: each scaled score s becomes C * tanh(s / C)
+            before the softmax (Gemma 2). Both CPU only for now.
 
     Accumulation is float32 whatever the storage dtype.
     """
-    _C.paged_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale))
+    _C.paged_attention(
+        out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), sliding_window, softcap
+    )
 
 
 def has_cuda() -> bool:

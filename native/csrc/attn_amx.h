@@ -177,6 +177,7 @@ CB_DP_ATTN static inline void prefill_softmax_tile(const AttnParams& p, const At
       const __mmask16 keep = tail_mask(vis - c > 0 ? vis - c : 0);
       _mm512_storeu_ps(s + c, _mm512_mask_mul_ps(_mm512_set1_ps(ninf), keep, _mm512_loadu_ps(s + c), scale));
     }
+    if (p.window > 0 || p.softcap > 0.f) mask_row(p, s, n16, pos, t0, vis);
     online_softmax_row(s, n16, mrow[r], lrow[r], Acc + r * D, D);
     for (int64_t c = 0; c < n16; c += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));

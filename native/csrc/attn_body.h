@@ -226,6 +226,10 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
   typename V::R mx = V::set1(ninf);
   for (int64_t c = 0; c < ncols; c += V::W) mx = V::max(mx, V::load(s + c));
   const float bmax = V::hmax(mx);
+  if (bmax == ninf) {  // the row sees nothing of this tile (its window starts later): zero weights, state kept
+    for (int64_t c = 0; c < ncols; c += V::W) V::store(s + c, V::zero());
+    return;
+  }
   const float m_old = m;
   const float m_new = bmax > m_old ? bmax : m_old;
   const typename V::R mv = V::set1(m_new);
@@ -241,6 +245,20 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
   if (corr != 1.f) {
     const typename V::R cv = V::set1(corr);
     for (int64_t d = 0; d < DP; d += V::W) V::store(acc + d, V::mul(V::load(acc + d), cv));
+  }
+}
+
+// One row's scores of the tokens [t0, t0 + ncols) for a query at position
+// pos: keys after pos (t >= vis) and, with a sliding window, before
+// pos - window + 1 are masked to -inf; the visible ones are soft-capped.
+static inline void mask_row(const AttnParams& p, float* s, int64_t ncols, int64_t pos, int64_t t0, int64_t vis) {
+  const float ninf = -__builtin_inff();
+  const int64_t lo = p.window > 0 ? cb_min(vis, cb_max(0, pos - p.window + 1 - t0)) : 0;
+  for (int64_t t = 0; t < lo; ++t) s[t] = ninf;
+  for (int64_t t = cb_max(vis, 0); t < ncols; ++t) s[t] = ninf;
+  if (p.softcap > 0.f) {
+    const float cap = p.softcap, inv = 1.f / p.softcap;
+    for (int64_t t = lo; t < vis; ++t) s[t] = cap * __builtin_tanhf(s[t] * inv);
   }
 }
 
@@ -345,7 +363,6 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
   const int64_t kv_hi = item_kv_end(p, it);
   const char* kc = static_cast<const char*>(p.key_cache);
   const char* vc = static_cast<const char*>(p.value_cache);
-  const float ninf = -__builtin_inff();
   // The item's heads are adjacent in a token's cache row: prefetch them as one span.
   KvPrefetch pf;
   pf.kc = kc;
@@ -392,11 +409,11 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
       const int64_t pos = ctx + it.q_begin + (r % Mh) / G;  // the row's own position
       const int64_t vis = cb_max(0, cb_min(n, pos - c0 + 1));
       float* s = S + r * CH;
-      for (int64_t t = vis; t < ncols; ++t) s[t] = ninf;
       if (vis == 0) {
         for (int64_t t = 0; t < ncols; ++t) s[t] = 0.f;
         continue;
       }
+      mask_row(p, s, ncols, pos, c0, vis);
       online_softmax_row(s, ncols, mrow[r], lrow[r], Acc + r * DP, DP);
     }
     // P.V, streaming V rows.
@@ -452,7 +469,6 @@ static bool attn_item_impl(const AttnParams& p, const AttnItem& it, const AttnIt
   const char* kc = static_cast<const char*>(p.key_cache);
   const char* vc = static_cast<const char*>(p.value_cache);
   const int64_t dvecs = DP / V::W;
-  const float ninf = -__builtin_inff();
 
   for (int64_t j = 0; j < ntiles; ++j) {
     const int64_t t0 = j * KT;
@@ -489,7 +505,7 @@ static bool attn_item_impl(const AttnParams& p, const AttnItem& it, const AttnIt
       const int64_t vis = cb_min(n, pos - t0 + 1);  // >= 1 for r >= r_start
       nv[r] = static_cast<int32_t>(vis);
       float* s = S + r * NP;
-      for (int64_t t = vis; t < ncols; ++t) s[t] = ninf;
+      mask_row(p, s, ncols, pos, t0, vis);
       online_softmax_row(s, ncols, mrow[r], lrow[r], Acc + r * DP, DP);
     }
 

@@ -41,6 +41,11 @@ struct AttnParams {
   // bf16 query and cache and a power-of-two scale (the scaled rows are then
   // exact in bf16). Not on AMX CPUs, where it was no faster.
   bool bf16_decode_dots;
+  // Sliding window: a query at position p sees keys (p - window, p]; 0 = none.
+  int64_t window;
+  // Attention-logit soft cap: a scaled score s becomes softcap * tanh(s /
+  // softcap) before the softmax; 0 = none.
+  float softcap;
 };
 
 // One unit of work: all query heads of KV heads [kv_head, kv_head + n_heads),

@@ -300,7 +300,7 @@ constexpr int64_t kWholeRowSeqsPerThread = 1;
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                     const at::Tensor& seq_lens, double scale) {
+                     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap) {
   check_tensor(out, "out", 3);
   check_tensor(query, "query", 3);
   check_tensor(key_cache, "key_cache", 4);
@@ -337,6 +337,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
            cu_seqlens_q.size(0));
   CB_VALUE(block_tables.size(0) == B, "block_tables must have B=", B, " rows, got ", block_tables.size(0));
   CB_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  CB_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
+  CB_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0 (0: none), got ", softcap);
+  CB_VALUE(!query.is_cuda() || (sliding_window == 0 && softcap == 0),
+           "sliding_window and softcap have CPU kernels only (the CUDA kernel has neither yet)");
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&query, "query"},
                                 {&key_cache, "key_cache"},
                                 {&value_cache, "value_cache"}}) {
@@ -434,6 +438,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.head_dim = D;
   p.block_size = bs;
   p.scale = static_cast<float>(scale);
+  p.window = sliding_window;
+  p.softcap = static_cast<float>(softcap);
   p.dtype = dtype_code(query.scalar_type());
   p.kv_dtype = kv_dtype_code(key_cache);
   int scale_exp;
@@ -488,8 +494,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, py::arg("key"), py::arg("value"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("slot_mapping"));
   m.def("paged_attention", &paged_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("seq_lens"),
-        py::arg("scale"));
+        py::arg("value_cache"), py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
   m.def("has_cuda", &has_cuda);
   m.def("cpu_features", &cpu_features);
   m.def("set_isa", &set_isa, py::arg("isa"));

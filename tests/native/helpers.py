@@ -68,8 +68,9 @@ def make_batch(
     )
 
 
-def reference(batch, scale):
-    """The torch reference in fp32 on CPU, from the same (possibly bf16) inputs."""
+def reference(batch, scale, **kw):
+    """The torch reference in fp32 on CPU, from the same (possibly bf16)
+    inputs; `kw`: sliding_window, softcap."""
     from executor.torch_ops import paged_attention as ref_attention
 
     q = batch["query"].cpu().float()
@@ -83,14 +84,15 @@ def reference(batch, scale):
         batch["cu_seqlens_q"].cpu(),
         batch["seq_lens"].cpu(),
         scale,
+        **kw,
     )
     return out
 
 
-def attend(batch, scale):
+def attend(batch, scale, **kw):
     """native.paged_attention into a NaN-filled output (every row must be written)."""
     out = torch.full_like(batch["query"], float("nan"))
-    native.paged_attention(out, scale=scale, **batch)
+    native.paged_attention(out, scale=scale, **batch, **kw)
     return out
 
 
