@@ -13,6 +13,7 @@ On a CUDA GPU a Llama-family model runs the GPU lean forward
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -233,7 +234,7 @@ class ModelRunner:
         if greedy_only(params):  # the graph's own argmax, on the device
             tokens = self.graphs.tokens_to_host(argmax, len(states))
         else:
-            logits = self.graphs.logits[bucket][: len(states)]
+            logits = finish_logits(self.config, self.graphs.logits[bucket][: len(states)])
             hist = [st.token_ids if st.sampling.needs_history else None for _, st in states]
             tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in states])
         return self._record(states, tokens), tokens, logprobs
@@ -361,7 +362,7 @@ class ModelRunner:
         if picked is not None:  # the LM head's argmax straight from its accumulators
             tokens = picked
         else:
-            logits = self.model.lm_head(rows)
+            logits = finish_logits(self.config, self.model.lm_head(rows))
             hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
             tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states])
         return self._record(sample_states, tokens), tokens, logprobs
@@ -373,6 +374,24 @@ class ModelRunner:
             st.token_ids.append(tok)
             st.num_output += 1
         return [seq_id for seq_id, _ in sample_states]
+
+
+def finish_logits(cfg, logits: torch.Tensor) -> torch.Tensor:
+    """What the model's own forward does to the LM head's output before it
+    returns logits, read from its config: Granite divides by
+    `logits_scaling`, Cohere multiplies by `logit_scale`, Gemma 2 / 3 soft-cap
+    with `final_logit_softcapping`. Logprobs and sampling see these logits;
+    none of them moves the argmax, so greedy paths may skip them."""
+    scaling = getattr(cfg, "logits_scaling", None)
+    if scaling not in (None, 1, 1.0):
+        logits = logits / scaling
+    scale = getattr(cfg, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale not in (1, 1.0):
+        logits = logits * scale
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def greedy_generate(runner: ModelRunner, prompts: list[list[int]], n_new: int) -> list[list[int]]:
@@ -413,5 +432,11 @@ def _warm_up_rotary(model: torch.nn.Module, dtype: torch.dtype) -> None:
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rotary is None:
         return
+    # Models with a rotary embedding per layer type (Gemma 3: sliding and
+    # full attention) take the type as a third argument.
+    types = sorted(set(getattr(model.config, "layer_types", None) or [])) or [None]
+    needs_type = "layer_type" in inspect.signature(rotary.forward).parameters
     with torch.inference_mode():
-        rotary(torch.zeros(1, dtype=dtype), torch.arange(4096).unsqueeze(0))
+        for layer_type in types if needs_type else [None]:
+            extra = (layer_type,) if needs_type else ()
+            rotary(torch.zeros(1, dtype=dtype), torch.arange(4096).unsqueeze(0), *extra)
