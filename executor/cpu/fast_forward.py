@@ -1,4 +1,4 @@
-"""A lean forward of the Llama decoder stack for the bf16 CPU executor.
+"""A lean forward of the Llama-family decoder stack for the bf16 CPU executor.
 
 The transformers layer code costs about 25 ATen/Python calls per layer
 (separate q/k/v projections, rotary embedding as element-wise ops, transposes,
@@ -20,7 +20,9 @@ the transformers forward. With the 'torch' attention backend the rotated k
 and v go through that backend's reshape_and_cache instead (rope_split), so
 the reference backend stays a reference for the cache write too. Used only
 where `fuse_llama_blocks` applied (bf16 on AVX-512 bf16 CPUs) and the model
-is a plain Llama; otherwise the runner calls the transformers model with the
+is a Llama, a Mistral or a Qwen2 (what they add to Llama: q/k/v biases,
+folded into the fused projection, and per-layer sliding windows, handed to
+the attention); otherwise the runner calls the transformers model with the
 registered paged-attention function.
 
 Given the rows that sample (`SampledRows`), the last layer computes q, k and v
@@ -64,6 +66,7 @@ class _Layer:
     in_norm: FusedRMSNorm
     post_norm: FusedRMSNorm
     scale: float
+    window: int  # sliding window of this layer's attention, 0 = none
     # Bound forward methods: a step makes ~150 of these calls, and going
     # through nn.Module.__call__ (hooks, tracing checks) costs a few us each.
     qkv: Callable[[torch.Tensor], torch.Tensor]
@@ -113,6 +116,7 @@ class LeanLlamaForward:
                 layer.input_layernorm,
                 layer.post_attention_layernorm,
                 float(layer.self_attn.scaling),
+                _window(cfg, layer.self_attn),
                 _fused_qkv(layer.self_attn).forward,
                 layer.self_attn.o_proj.forward,
                 layer.mlp.act,
@@ -163,7 +167,7 @@ class LeanLlamaForward:
                 attn, at = None, sampled
             if attn is None:
                 attn = torch.empty_like(q)
-            attend(attn, q, kc, vc, at.block_tables, at.cu_seqlens_q, at.seq_lens, L.scale)
+            attend(attn, q, kc, vc, at.block_tables, at.cu_seqlens_q, at.seq_lens, L.scale, L.window, 0.0)
             o = L.o_proj(attn.view(q.shape[0], self.hq * self.head_dim))
             h = self._add_rms_norm(o, residual, L.post_norm.weight, L.post_norm.eps)
             x = L.down(L.act(h))
@@ -172,11 +176,26 @@ class LeanLlamaForward:
         return self._add_rms_norm(x, residual, self.final_norm.weight, self.final_norm.eps)
 
 
+# Architectures whose decoder layer is Llama's up to q/k/v biases and
+# sliding windows.
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+
+
+def _window(cfg, attn: torch.nn.Module) -> int:
+    """A layer's sliding window as its model code applies it: Qwen2 sets one
+    per layer (None on full-attention layers), Mistral reads its config."""
+    if hasattr(attn, "sliding_window"):
+        return int(attn.sliding_window or 0)
+    if getattr(cfg, "model_type", None) == "mistral":
+        return int(getattr(cfg, "sliding_window", None) or 0)
+    return 0
+
+
 def build(model: torch.nn.Module) -> LeanLlamaForward | None:
     """The lean forward for `model`, or None where it does not apply (the
     runner then uses the transformers forward)."""
     inner = getattr(model, "model", None)
-    if getattr(model.config, "model_type", None) != "llama" or inner is None:
+    if getattr(model.config, "model_type", None) not in LLAMA_LIKE or inner is None:
         return None
     layers = getattr(inner, "layers", [])
     if not layers or not isinstance(inner.norm, FusedRMSNorm):

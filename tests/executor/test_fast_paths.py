@@ -182,3 +182,48 @@ def test_greedy_lm_head_argmax_gives_the_tokens_of_logits_then_argmax(monkeypatc
     monkeypatch.setattr(PackedLinear, "greedy_argmax", lambda self, x: None)
     plain_rt = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
     assert fused_tokens == greedy(plain_rt, prompts, 8)
+
+
+def _llama_like(kind: str) -> torch.nn.Module:
+    """A tiny random Mistral (window 16) or Qwen2 (q/k/v biases, windows on
+    its upper layers) in bf16, weights sharpened so windows change tokens."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=259,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        sliding_window=16,
+    )
+    torch.manual_seed(1)
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() == 2 else 1.0).add_(0.05 if p.dim() == 1 else 0.0)
+    return model.to(torch.bfloat16).eval()
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_lean_forward_runs_mistral_and_qwen2_like_their_transformers_forward(kind):
+    import copy
+
+    from executor.cpu.fast_forward import build
+
+    model = _llama_like(kind)
+    prompts = [[(7 * i + 5 * L) % 250 + 3 for i in range(L)] for L in (1, 9, 40, 70)]
+    lean = ModelRunner(copy.deepcopy(model), 16, 64)
+    hf = ModelRunner(copy.deepcopy(model), 16, 64, lean_forward=False)
+    assert lean.lean is not None and hf.lean is None
+    windows = [L.window for L in lean.lean.layers]
+    assert windows == ([16] * 4 if kind == "mistral" else [0, 0, 16, 16])
+    _assert_greedy_agrees(greedy(lean, prompts, 12), greedy(hf, prompts, 12))
+    assert build(_llama_like(kind).float()) is None  # fp32: no fused modules, the transformers forward
