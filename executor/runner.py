@@ -61,6 +61,13 @@ def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
         seed=s.seed,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
         logprobs=s.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_p=s.min_p,
+        logit_bias_ids=tuple(s.logit_bias_ids),
+        logit_bias_values=tuple(s.logit_bias_values),
+        min_tokens=s.min_tokens,
+        suppress_ids=tuple(s.suppress_ids),
     )
 
 

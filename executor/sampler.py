@@ -1,4 +1,12 @@
-"""Token sampling: greedy, temperature, top-k, top-p, repetition penalty, seed.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition /
+presence / frequency penalties, logit bias, min-tokens suppression, seed.
+
+Logits are processed in this order, batched over the rows that ask for each
+step (the others pay nothing): logit bias, repetition penalty (HF), presence
+and frequency penalties (OpenAI, over the generated tokens), min-tokens
+suppression of EOS and stop ids; then greedy rows take the argmax and the
+others apply temperature, min-p, top-k and top-p and draw. Logprobs are the
+raw model's (before any of it), as vLLM returns them.
 
 Rows are processed as a batch. Randomness is inverse-CDF sampling with one
 uniform number per row drawn from a generator seeded by (seed, output index):
@@ -28,6 +36,13 @@ class SamplingParams:
     seed: int = 0
     repetition_penalty: float = 1.0
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
+    min_tokens: int = 0
+    suppress_ids: tuple[int, ...] = ()  # not sampled while fewer than min_tokens are out
 
     @property
     def greedy(self) -> bool:
@@ -35,7 +50,12 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        return self.repetition_penalty != 1.0
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def moves_logits(self) -> bool:
+        """Whether anything but temperature / top-k / top-p / min-p changes the logits."""
+        return self.needs_history or bool(self.logit_bias_ids) or bool(self.min_tokens and self.suppress_ids)
 
 
 def uniform_for(seed: int, output_index: int) -> float:
@@ -74,9 +94,60 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     return x
 
 
+def _min_p(x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Masks tokens less probable than min_p times the row's most probable one."""
+    if not any(m > 0 for m in min_p):
+        return x
+    probs = x.softmax(-1)
+    floor = probs.max(-1, keepdim=True).values * torch.tensor([[m] for m in min_p], dtype=probs.dtype)
+    return x.masked_fill(probs < floor, float("-inf"))
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[list[int] | None],
+    output_indices: list[int],
+) -> torch.Tensor:
+    """Bias, penalties and min-tokens suppression on fp32 host logits [N, V]
+    (a new tensor where any row asks for one; `logits` itself otherwise)."""
+    vocab = logits.shape[-1]
+    if not any(p.moves_logits for p in params):
+        return logits
+    x = logits.clone()
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in zip(p.logit_bias_ids, p.logit_bias_values) if t < vocab]
+    if bias:
+        rows, cols, vals = zip(*bias)
+        x.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals, dtype=x.dtype), accumulate=True)
+    for i, (p, h) in enumerate(zip(params, histories)):
+        if p.repetition_penalty != 1.0 and h:
+            apply_repetition_penalty(x[i], h, p.repetition_penalty)
+    pen = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and histories[i]]
+    if pen:
+        outs = [histories[i][len(histories[i]) - output_indices[i] :] if output_indices[i] else [] for i in pen]
+        counts = torch.zeros(len(pen), vocab, dtype=x.dtype)
+        lens = torch.tensor([len(o) for o in outs])
+        if int(lens.sum()):
+            row = torch.repeat_interleave(torch.arange(len(pen)), lens)
+            tok = torch.tensor([t for o in outs for t in o])
+            counts.index_put_((row, tok), torch.ones(len(tok), dtype=x.dtype), accumulate=True)
+        freq = torch.tensor([[params[i].frequency_penalty] for i in pen], dtype=x.dtype)
+        pres = torch.tensor([[params[i].presence_penalty] for i in pen], dtype=x.dtype)
+        idx = torch.tensor(pen)
+        x[idx] = x[idx] - freq * counts - pres * (counts > 0).to(x.dtype)
+    held = [
+        (i, t) for i, p in enumerate(params) if output_indices[i] < p.min_tokens for t in p.suppress_ids if t < vocab
+    ]
+    if held:
+        rows, cols = zip(*held)
+        x.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(float("-inf"), dtype=x.dtype))
+    return x
+
+
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
     temps = torch.tensor([[p.temperature] for p in params], dtype=logits.dtype)
-    x = _top_k_top_p(logits / temps, [p.top_k for p in params], [p.top_p for p in params])
+    x = _min_p(logits / temps, [p.min_p for p in params])
+    x = _top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
     cdf = x.softmax(-1).cumsum(-1)
     u = torch.tensor([[uniform_for(p.seed, i)] for p, i in zip(params, output_indices)], dtype=cdf.dtype)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.shape[-1] - 1).squeeze(1)
@@ -100,7 +171,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 def greedy_only(params: list[SamplingParams]) -> bool:
     """Whether every row takes its argmax and nobody asked for logprobs: then
     the logits are needed only for their argmax."""
-    return all(p.greedy and not p.needs_history and not p.logprobs for p in params)
+    return all(p.greedy and not p.moves_logits and not p.logprobs for p in params)
 
 
 def sample(
@@ -120,11 +191,7 @@ def sample(
     # the same tokens on every device (a GPU's rows are [N, V], a few MB).
     logits = logits.to("cpu", torch.float32)
     raw_logprobs = torch.log_softmax(logits, -1) if want_logprobs else None
-    penalised = [i for i, (p, h) in enumerate(zip(params, histories)) if p.needs_history and h]
-    if penalised:
-        logits = logits.clone()
-        for i in penalised:
-            apply_repetition_penalty(logits[i], histories[i], params[i].repetition_penalty)
+    logits = process_logits(logits, params, histories, output_indices)
     tokens = greedy_tokens(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -16,8 +16,14 @@ _WINDOW = 6  # tokens of left context re-decoded each step
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), min_tokens: int = 0
+    ) -> None:
         self.tok = tokenizer
+        # Stop strings are matched only in text that arrives once this many
+        # output tokens exist (a request's stopping.min_tokens).
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.ids: list[int] = list(prompt_ids[-_WINDOW:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -31,6 +37,7 @@ class IncrementalDetokenizer:
         """Appends tokens; updates self.text and, if a stop string appeared,
         truncates before it and sets self.stopped."""
         self.ids.extend(token_ids)
+        self.num_tokens += len(token_ids)
         prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
         full = self.tok.decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -45,8 +52,8 @@ class IncrementalDetokenizer:
                 self.ids = self.ids[drop:]
                 self.prefix_offset -= drop
                 self.read_offset -= drop
-            if self.stop:
-                self._check_stop(before)
+            if self.stop and self.num_tokens >= self.min_tokens:
+                self._check_stop(before if self.num_tokens - len(token_ids) >= self.min_tokens else before + self.hold)
 
     def _check_stop(self, new_from: int) -> None:
         start = max(0, new_from - self.hold)

@@ -120,6 +120,7 @@ class Engine:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._step_id = 0
+        self._eos_ids: tuple[int, ...] = ()
         self._last_result_t = 0.0  # perf_counter of the last step result
         self._ready_callbacks: list[Callable[[bool], None]] = []
         self._seen: dict[int, int] = {}  # counter id -> scheduler total already exported
@@ -174,6 +175,7 @@ class Engine:
         eos = facts.eos_token_ids or self.tokenizer.eos_token_ids
         policy = make_policy(self.cfg.scheduler)
         self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context)
+        self._eos_ids = tuple(eos)
         self._seen.clear()
         if self.facts is not None:
             self.metrics.executor_restarts.inc()
@@ -191,7 +193,10 @@ class Engine:
 
     # -- intake -----------------------------------------------------------------
     def submit(self, req: Request) -> RequestHandle:
-        handle = RequestHandle(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.stopping.stop))
+        handle = RequestHandle(
+            req,
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.stopping.stop, req.stopping.min_tokens),
+        )
         self.handles[req.request_id] = handle
         if self.tracer is not None:
             handle.span = self.tracer.start(req)
@@ -310,7 +315,7 @@ class Engine:
         self._step_id += 1
         if self.tracer is not None:
             self._trace_plan(out)
-        plan = encode_plan(self._step_id, out)
+        plan = encode_plan(self._step_id, out, self._eos_ids)
         return asyncio.ensure_future(self.client.step(plan)), out, time.perf_counter()
 
     def _launch_ahead(self, inflight: deque) -> None:

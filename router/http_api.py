@@ -5,7 +5,7 @@ A request is translated into the gRPC `GenerateRequest` and admitted by
 `router.admission.admit`, so the validation, limits, messages and statuses
 are the gRPC API's; `HTTP_STATUS` maps each gRPC status to its HTTP one. The
 OpenAI fields cbserve does not implement are refused with a 400 that names
-the field, never ignored (`UNSUPPORTED`). docs/openai.md lists every field.
+the field, never ignored (`UNSUPPORTED`). docs/api.md lists every field.
 """
 
 from __future__ import annotations
@@ -72,6 +72,12 @@ _PARAM = {
     "sampling.top_p": "top_p",
     "sampling.top_k": "top_k",
     "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.min_p": "min_p",
+    "sampling.logit_bias": "logit_bias",
+    "stopping.stop_token_ids": "stop_token_ids",
+    "stopping.min_tokens": "min_tokens",
     "stopping.max_new_tokens": "max_tokens",
     "stopping.stop": "stop",
     "text": "prompt",
@@ -92,17 +98,11 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (),
     "logprobs": (False,),
     "top_logprobs": (0,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": (),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": (),
     "function_call": (),
-    "min_tokens": (0,),
-    "min_p": (0, 0.0),
-    "stop_token_ids": (),
 }
 TIMEOUT_HEADERS = ("x-request-timeout", "x-envoy-expected-rq-timeout-ms")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -156,7 +156,13 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     # vLLM's extensions
+    min_p: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -328,7 +334,18 @@ class OpenAIApi:
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(0, body.top_k or 0),  # vLLM's -1 means off, as 0 here
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            min_p=body.min_p or 0.0,
         )
+        for key, bias in (body.logit_bias or {}).items():
+            if not key.isdigit():
+                raise self._refused(400, f"logit_bias: {key[:32]!r} is not a token id", "logit_bias")
+            sampling.logit_bias[int(key)] = bias
+        if body.min_tokens < 0:
+            raise self._refused(400, f"min_tokens: must be >= 0, got {body.min_tokens}", "min_tokens")
+        if any(t < 0 for t in body.stop_token_ids or []):
+            raise self._refused(400, "stop_token_ids: token ids are >= 0", "stop_token_ids")
         if body.seed is not None:
             if not 0 <= body.seed < 2**64:
                 raise self._refused(400, f"seed: must be in [0, 2**64), got {body.seed}", "seed")
@@ -336,7 +353,13 @@ class OpenAIApi:
         return gpb.GenerateRequest(
             request_id=request_id,
             sampling=sampling,
-            stopping=gpb.StoppingCriteria(max_new_tokens=max_tokens or 0, stop=stop, ignore_eos=body.ignore_eos),
+            stopping=gpb.StoppingCriteria(
+                max_new_tokens=max_tokens or 0,
+                stop=stop,
+                ignore_eos=body.ignore_eos,
+                stop_token_ids=body.stop_token_ids or [],
+                min_tokens=body.min_tokens,
+            ),
             # vLLM's priority: lower is handled earlier; cbserve's: larger is more urgent.
             priority=-body.priority,
             cache_salt=body.cache_salt or "",

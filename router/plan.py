@@ -8,7 +8,7 @@ from router.request import Request
 from router.scheduler import SchedulerOutput
 
 
-def _sampling(req: Request) -> pb.SeqSampling:
+def _sampling(req: Request, eos_token_ids: tuple[int, ...]) -> pb.SeqSampling:
     s = req.sampling
     return pb.SeqSampling(
         temperature=s.temperature,
@@ -18,10 +18,23 @@ def _sampling(req: Request) -> pb.SeqSampling:
         seed=s.seed,
         repetition_penalty=s.repetition_penalty,
         logprobs=s.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_p=s.min_p,
+        logit_bias_ids=[t for t, _ in s.logit_bias],
+        logit_bias_values=[b for _, b in s.logit_bias],
+        min_tokens=req.stopping.min_tokens,
+        suppress_ids=_suppressed(req, eos_token_ids) if req.stopping.min_tokens else [],
     )
 
 
-def encode_plan(step_id: int, out: SchedulerOutput) -> pb.Plan:
+def _suppressed(req: Request, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """What min_tokens holds back: end-of-sequence (unless ignored) and the stop token ids."""
+    eos = () if req.stopping.ignore_eos else eos_token_ids
+    return sorted(set(eos) | set(req.stopping.stop_token_ids))
+
+
+def encode_plan(step_id: int, out: SchedulerOutput, eos_token_ids: tuple[int, ...] = ()) -> pb.Plan:
     seqs = []
     for item in out.seqs:
         req = item.req
@@ -36,7 +49,7 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> pb.Plan:
                 pb.NewSeq(
                     token_ids=req.all_token_ids,
                     num_computed_tokens=req.num_computed_tokens,
-                    sampling=_sampling(req),
+                    sampling=_sampling(req, eos_token_ids),
                     num_output_tokens=len(req.output_token_ids),
                 )
             )

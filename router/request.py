@@ -34,6 +34,10 @@ class Sampling:
     seed: int = 0
     repetition_penalty: float = 1.0
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class Stopping:
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
 
 @dataclass(eq=False)

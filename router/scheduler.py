@@ -371,8 +371,12 @@ class Scheduler:
                 req.first_token_time = now
             req.last_token_time = now
             events.append(TokenEvent(req, [tok], [lp] if lp is not None and req.sampling.logprobs else []))
-            if tok in self.eos and not req.stopping.ignore_eos:
+            stopping = req.stopping
+            early = len(req.output_token_ids) < stopping.min_tokens  # the executor suppressed these; never end here
+            if tok in self.eos and not stopping.ignore_eos and not early:
                 self.finish(req, Finish.EOS)
+            elif tok in stopping.stop_token_ids and not early:
+                self.finish(req, Finish.STOP_SEQUENCE)
             elif len(req.output_token_ids) >= req.stopping.max_new_tokens or req.num_tokens >= self.max_context:
                 self.finish(req, Finish.LENGTH)
         return events

@@ -20,6 +20,10 @@ MIN_TEMPERATURE = 1e-5
 # Outside this a penalty drives logits to inf/0 and the sampler to NaN.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+MAX_PRESENCE_FREQUENCY_PENALTY = 2.0  # OpenAI's range, [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_STOP_TOKEN_IDS = 64
 
 
 class RequestError(Exception):
@@ -68,7 +72,7 @@ def prompt_ids(req, tokenizer: Tokenizer, limits: LimitsConfig, vocab_size: int)
     return ids
 
 
-def _sampling(s: gpb.SamplingParams) -> Sampling:
+def _sampling(s: gpb.SamplingParams, vocab_size: int) -> Sampling:
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise _invalid(f"sampling.temperature: must be a finite number >= 0, got {s.temperature}")
     if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
@@ -84,6 +88,19 @@ def _sampling(s: gpb.SamplingParams) -> Sampling:
             f"sampling.repetition_penalty: must be in [{MIN_REPETITION_PENALTY}, "
             f"{MAX_REPETITION_PENALTY}], got {s.repetition_penalty}"
         )
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(s, name)
+        if not math.isfinite(v) or abs(v) > MAX_PRESENCE_FREQUENCY_PENALTY:
+            raise _invalid(f"sampling.{name}: must be in [-2, 2], got {v}")
+    if not math.isfinite(s.min_p) or not 0 <= s.min_p <= 1:
+        raise _invalid(f"sampling.min_p: must be in [0, 1], got {s.min_p}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid(f"sampling.logit_bias: more than {MAX_LOGIT_BIAS_ENTRIES} entries")
+    for tok, bias in s.logit_bias.items():
+        if tok >= vocab_size:
+            raise _invalid(f"sampling.logit_bias: token {tok} is outside [0, {vocab_size})")
+        if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            raise _invalid(f"sampling.logit_bias: the bias of token {tok} must be in [-100, 100], got {bias}")
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
     return Sampling(
         # A temperature this small is greedy; dividing logits by it overflows to inf/NaN.
@@ -92,6 +109,10 @@ def _sampling(s: gpb.SamplingParams) -> Sampling:
         top_k=s.top_k,
         seed=seed,
         repetition_penalty=s.repetition_penalty or 1.0,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_p=s.min_p,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items() if b)),
     )
 
 
@@ -112,8 +133,13 @@ def build_request(
         raise _invalid("request_id: must be printable")
     if abs(msg.priority) > limits.max_priority_abs:
         raise _invalid(f"priority: must be within +-{limits.max_priority_abs}, got {msg.priority}")
-    sampling = _sampling(msg.sampling)
+    sampling = _sampling(msg.sampling, vocab_size)
     st = msg.stopping
+    if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(f"stopping.stop_token_ids: more than {MAX_STOP_TOKEN_IDS} ids")
+    bad = next((t for t in st.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"stopping.stop_token_ids: {bad} is outside [0, {vocab_size})")
     if len(st.stop) > limits.max_stop_strings:
         raise _invalid(f"stopping.stop: more than {limits.max_stop_strings} stop strings")
     for i, s in enumerate(st.stop):
@@ -136,6 +162,8 @@ def build_request(
             )
     else:
         max_new = min(limits.default_max_new_tokens, room)
+    if st.min_tokens > max_new:
+        raise _invalid(f"stopping.min_tokens: {st.min_tokens} is above max_new_tokens ({max_new})")
     if len(ids) + max_new > max_tokens_in_pool:
         raise _invalid(
             f"input: prompt ({len(ids)}) + max_new_tokens ({max_new}) needs more KV memory "
@@ -147,7 +175,13 @@ def build_request(
         request_id=rid,
         prompt_token_ids=ids,
         sampling=sampling,
-        stopping=Stopping(max_new_tokens=max_new, stop=tuple(st.stop), ignore_eos=st.ignore_eos),
+        stopping=Stopping(
+            max_new_tokens=max_new,
+            stop=tuple(st.stop),
+            ignore_eos=st.ignore_eos,
+            stop_token_ids=tuple(dict.fromkeys(st.stop_token_ids)),
+            min_tokens=st.min_tokens,
+        ),
         priority=msg.priority,
         expected_output_tokens=expected,
         cache_salt=msg.cache_salt,

@@ -103,3 +103,67 @@ def test_native_greedy_matches_torch_max_with_ties_inf_and_nan(dtype):
     assert greedy_tokens(x) == x.max(dim=-1).indices.tolist()
     odd = torch.randn(3, 37).to(dtype)  # vocab not a multiple of the vector width
     assert greedy_tokens(odd) == odd.max(dim=-1).indices.tolist()
+
+
+def _reference_processed(logits, p: SamplingParams, history: list[int], num_output: int):
+    """One row, the slow way: bias, OpenAI penalties over the output tokens,
+    min-tokens suppression."""
+    x = logits.clone()
+    for t, b in zip(p.logit_bias_ids, p.logit_bias_values):
+        x[t] += b
+    out = history[len(history) - num_output :] if num_output else []
+    for t in set(out):
+        x[t] -= p.presence_penalty + p.frequency_penalty * out.count(t)
+    if num_output < p.min_tokens:
+        for t in p.suppress_ids:
+            x[t] = float("-inf")
+    return x
+
+
+def test_bias_penalties_and_min_tokens_match_a_row_by_row_reference():
+    from executor.sampler import process_logits
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=g) * 2
+    params = [
+        SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
+        SamplingParams(),  # untouched in the company of the others
+        SamplingParams(logit_bias_ids=(3, 9), logit_bias_values=(5.0, -100.0)),
+        SamplingParams(min_tokens=4, suppress_ids=(1, 2)),
+        SamplingParams(min_tokens=2, suppress_ids=(1,), frequency_penalty=-1.5),  # past its minimum
+        SamplingParams(presence_penalty=-2.0, logit_bias_ids=(7,), logit_bias_values=(2.5,)),
+    ]
+    histories = [torch.randint(0, 40, (20,), generator=g).tolist() for _ in params]
+    num_output = [8, 3, 0, 2, 5, 12]
+    got = process_logits(logits, params, histories, num_output)
+    for i, p in enumerate(params):
+        want = _reference_processed(logits[i], p, histories[i], num_output[i])
+        torch.testing.assert_close(got[i], want)
+    assert torch.equal(got[1], logits[1])
+
+
+def test_min_tokens_suppression_ends_at_the_minimum_and_greedy_rows_obey_it():
+    logits = torch.zeros(2, 10)
+    logits[:, 2] = 5.0  # EOS would win
+    p = SamplingParams(min_tokens=3, suppress_ids=(2,))
+    early, _ = sample(logits, [p, p], [None, None], [0, 2])
+    late, _ = sample(logits, [p, p], [None, None], [3, 4])
+    assert 2 not in early and late == [2, 2]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_probability():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = set()
+    for seed in range(300):
+        toks, _ = sample(logits, [SamplingParams(temperature=1.0, min_p=0.25, seed=seed)], [None], [0])
+        seen.update(toks)
+    assert seen == {0, 1, 2}  # 0.05 < 0.25 * 0.5: never drawn
+
+
+def test_the_penalties_keep_seeded_sampling_batch_independent():
+    logits = _logits(n=3, v=30, seed=5)
+    p = SamplingParams(temperature=0.8, seed=11, presence_penalty=1.0, frequency_penalty=0.5)
+    hist = [list(range(10)) + [3, 3, 4], [1, 2], list(range(5))]
+    alone, _ = sample(logits[:1], [p], hist[:1], [6])
+    together, _ = sample(logits, [p, SamplingParams(temperature=0.5, seed=2), p], hist, [6, 1, 2])
+    assert together[0] == alone[0]

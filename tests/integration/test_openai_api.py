@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from cbserve.v1 import generation_pb2 as gpb
 from tests.conftest import start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
 
@@ -34,9 +35,14 @@ def api(tiny_server):
     return tiny_server, client, _model(tiny_server)
 
 
-def _grpc_complete(server, ids, max_new):
+def _grpc_complete(server, ids, max_new, sampling=None, stopping=None):
+    req = gen_request(ids, max_new=max_new, ignore_eos=True)
+    if sampling is not None:
+        req.sampling.CopyFrom(sampling)
+    if stopping is not None:
+        req.stopping.MergeFrom(stopping)
     with server.channel() as ch:
-        return stub(ch).Complete(gen_request(ids, max_new=max_new, ignore_eos=True), timeout=60)
+        return stub(ch).Complete(req, timeout=60)
 
 
 # -- the SDK -----------------------------------------------------------------------
@@ -230,20 +236,84 @@ def _error(resp, status, param=None):
         ("n", 0),
         ("logprobs", 1),
         ("logprobs", 0),  # completions' logprobs=0 still asks for the sampled token's logprob
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1.0),
-        ("logit_bias", {"5": 10}),
         ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function"}]),
         ("best_of", 3),
         ("echo", True),
-        ("min_tokens", 2),
     ],
 )
 def test_fields_not_implemented_are_refused_by_name(api, field, value):
     server, _, model = api
     err = _error(_post(server, "/completions", {"model": model, "prompt": "x", field: value}), 400, field)
     assert field in err["message"]
+
+
+def _http_choice(server, model, prompt, **extra):
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+    r = _post(server, "/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_logit_bias_moves_greedy_tokens(api):
+    server, _, model = api
+    free = list(_grpc_complete(server, [5, 6, 7], 8).token_ids)
+    forced = _grpc_complete(server, [5, 6, 7], 8, sampling=gpb.SamplingParams(logit_bias={72: 100.0}))
+    assert list(forced.token_ids) == [72] * 8 and free != [72] * 8
+    banned = _grpc_complete(server, [5, 6, 7], 8, sampling=gpb.SamplingParams(logit_bias={free[0]: -100.0}))
+    assert free[0] not in banned.token_ids
+    # The OpenAI API's string keys.
+    assert _http_choice(server, model, [5, 6, 7], logit_bias={"72": 100})["text"] == forced.text
+
+
+def test_stop_token_ids_end_the_output_and_min_tokens_holds_them_back(api):
+    server, _, model = api
+    free = list(_grpc_complete(server, [9, 10, 11], 12).token_ids)
+    stop = free[2]
+    first = free.index(stop)
+    r = _grpc_complete(server, [9, 10, 11], 12, stopping=gpb.StoppingCriteria(max_new_tokens=12, stop_token_ids=[stop]))
+    assert list(r.token_ids) == free[: first + 1] and r.finish_reason == gpb.STOP_SEQUENCE
+    # min_tokens: the stop id cannot be sampled for the first 6 tokens; the
+    # output ends at its first occurrence after that, or runs to the cap.
+    held = _grpc_complete(
+        server, [9, 10, 11], 12, stopping=gpb.StoppingCriteria(max_new_tokens=12, stop_token_ids=[stop], min_tokens=6)
+    )
+    out = list(held.token_ids)
+    assert len(out) >= 6 and stop not in out[:6]
+    assert (out[-1] == stop and stop not in out[:-1]) or (len(out) == 12 and stop not in out)
+    choice = _http_choice(server, model, [9, 10, 11], max_tokens=12, stop_token_ids=[stop])
+    assert choice["finish_reason"] == "stop" and choice["text"] == r.text
+
+
+def test_presence_and_frequency_penalties_change_repetitive_greedy_output(api):
+    server, _, model = api
+    free = list(_grpc_complete(server, [5, 6, 7], 16).token_ids)
+    assert len(set(free)) < len(free)  # the tiny model repeats itself
+    penalties = gpb.SamplingParams(presence_penalty=2.0, frequency_penalty=2.0)
+    pen = _grpc_complete(server, [5, 6, 7], 16, sampling=penalties)
+    assert len(set(pen.token_ids)) > len(set(free))
+    choice = _http_choice(server, model, [5, 6, 7], presence_penalty=2.0, frequency_penalty=2.0, max_tokens=16)
+    assert choice["text"] == pen.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_controls_get_400_with_the_field(api, extra, param):
+    server, _, model = api
+    _error(_post(server, "/completions", {"model": model, "prompt": "x", "max_tokens": 8, **extra}), 400, param)
 
 
 def test_bad_input_gets_400_with_the_field(api):
