@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on a CUDA GPU: capture decode steps of up to this many sequences as CUDA graphs (0 = eager)",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of this process (0 = off)")
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address the metrics port binds (0.0.0.0 to let a scraper reach it)"
+    )
     p.add_argument("--tls-cert", default="", help="TLS certificate for a TCP listener")
     p.add_argument("--tls-key", default="")
     return p.parse_args(argv)
@@ -90,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     eos = cfg.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     metrics = ExecutorMetrics()
-    metrics.serve(args.metrics_port)
+    try:
+        metrics.serve(args.metrics_port, args.metrics_host)
+    except OSError as exc:
+        return _refused(OSError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}"))
     service = ExecutorService(runner, source.name, eos_ids, metrics)
     try:
         server, health = build_server(service, args.listen, args.tls_cert, args.tls_key)

@@ -29,6 +29,8 @@ class ExecutorMetrics:
         self.sequences = Gauge("cbserve_executor_sequences", "Sequences whose state the executor holds", registry=r)
         self.rejected_plans = Counter("cbserve_executor_rejected_plans", "Plans refused as inconsistent", registry=r)
 
-    def serve(self, port: int) -> None:
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Prometheus on host:port (loopback unless told otherwise: this
+        process trusts its router, not the network); port 0 = off."""
         if port:
-            start_http_server(port, registry=self.registry)
+            start_http_server(port, addr=host, registry=self.registry)

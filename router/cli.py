@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--executor-metrics-port", type=int, default=0, help="Prometheus port of the executor process (0 = off)"
     )
+    serve.add_argument("--executor-metrics-host", default="127.0.0.1", help="address the executor's metrics port binds")
     router = sub.add_parser("router", help="start the router alone")
     _common(router)
     sub.add_parser("executor", help="start the executor alone (see cbserve executor --help)", add_help=False)

@@ -20,19 +20,65 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+class ChatTemplateError(ValueError):
+    """The chat template cannot render these messages (its own message), or a
+    message's content cannot be kept as data in what it rendered."""
+
+
 @dataclass
 class Tokenizer:
     hf: object  # a transformers PreTrainedTokenizerFast
     backend: object  # the underlying tokenizers.Tokenizer (fast decode path)
     eos_token_ids: list[int]
     vocab_size: int
+    plain: object = None  # a copy of backend that never parses special tokens
+    special_strings: tuple[str, ...] = ()  # the text of every special token
+
+    def __post_init__(self) -> None:
+        if self.plain is None:
+            from tokenizers import Tokenizer as Backend
+
+            self.plain = Backend.from_str(self.backend.to_str())
+            self.plain.encode_special_tokens = True
+        if not self.special_strings:
+            added = getattr(self.hf, "added_tokens_decoder", {}) or {}
+            self.special_strings = tuple(t.content for t in added.values() if getattr(t, "special", False))
 
     def encode(self, text: str) -> list[int]:
+        """Prompt text: special-token text in it is parsed as those tokens."""
         return self.backend.encode(text, add_special_tokens=False).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Text as data: special-token text in it is ordinary characters."""
+        return self.plain.encode(text, add_special_tokens=False).ids
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        """The chat template's rendering, tokenized so that only the
+        template's own markup can be special tokens: a message whose content
+        holds special-token text (`<|im_end|>`...) cannot forge a turn."""
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001  (jinja2's TemplateError, or the template's raise_exception)
+            raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc
+        contents = [m["content"] for m in messages]
+        if not any(sp in c for c in contents for sp in self.special_strings):
+            return self.encode(text)
+        ids: list[int] = []
+        cursor = 0
+        for c in contents:
+            for variant in (c, c.strip()):
+                at = text.find(variant, cursor) if variant else -1
+                if at >= 0:
+                    break
+            if at < 0:
+                if any(sp in c for sp in self.special_strings):
+                    raise ChatTemplateError(
+                        "a message holds special-token text that the chat template rewrites; it cannot be kept as data"
+                    )
+                continue
+            ids += self.encode(text[cursor:at]) + self.encode_plain(variant)
+            cursor = at + len(variant)
+        return ids + self.encode(text[cursor:])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

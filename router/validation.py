@@ -12,7 +12,7 @@ import grpc
 from cbserve.v1 import generation_pb2 as gpb
 from router.config import LimitsConfig
 from router.request import Request, Sampling, Stopping
-from router.tokenizer import Tokenizer
+from router.tokenizer import ChatTemplateError, Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 # Below this a temperature means greedy (logits / T would overflow float32).
@@ -62,7 +62,10 @@ def prompt_ids(req, tokenizer: Tokenizer, limits: LimitsConfig, vocab_size: int)
             raise _invalid("text: the prompt is empty")
         return tokenizer.encode(req.text)
     if kind == "messages":
-        return tokenizer.apply_chat_template(_messages(req.messages, limits))
+        try:
+            return tokenizer.apply_chat_template(_messages(req.messages, limits))
+        except ChatTemplateError as exc:
+            raise _invalid(f"messages: {exc}") from None
     ids = list(req.token_ids.ids)
     if not ids:
         raise _invalid("token_ids: the prompt is empty")

@@ -377,6 +377,12 @@ def test_executor_process_serves_its_own_metrics():
             if samples["cbserve_executor_sequences"] == 0 or time.monotonic() > end:
                 break
             time.sleep(0.1)
+        import psutil
+
+        listening = [
+            c.laddr for c in psutil.Process(server.executor_pid()).net_connections("inet") if c.status == "LISTEN"
+        ]
+        assert [a.ip for a in listening if a.port == port] == ["127.0.0.1"]  # loopback unless told otherwise
     finally:
         server.stop()
     assert samples["cbserve_executor_sampled_tokens_total"] == 8
