@@ -15,11 +15,30 @@ from router.engine import Engine, RequestHandle
 from router.validation import RequestError, build_request
 
 
-def admit(engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, timeout_s: float | None) -> RequestHandle:
+async def admit(engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, timeout_s: float | None) -> RequestHandle:
     """Validates `msg` and submits it; raises RequestError before queueing
-    anything when it cannot be served. Counts every refusal by status."""
+    anything when it cannot be served. Counts every refusal by status.
+    Validation and tokenization (the chat template included) run on the
+    engine's tokenizer threads, never on the event loop."""
     try:
-        return _admit(engine, cfg, msg, timeout_s)
+        _check_serving(engine)
+        msg.DiscardUnknownFields()  # nothing a client adds outlives this call
+        nbytes = msg.ByteSize()
+        facts = engine.facts
+        usable_blocks = facts.num_blocks - engine.scheduler.blocks.watermark_blocks
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+        req = await engine.off_loop(
+            build_request,
+            msg,
+            engine.tokenizer,
+            cfg.limits,
+            facts.vocab_size,
+            facts.max_context,
+            usable_blocks * facts.block_size,
+            deadline,
+        )
+        req.nbytes = nbytes
+        return _enqueue(engine, cfg, req)
     except RequestError as exc:
         engine.metrics.request_errors.labels(status=exc.code.name).inc()
         raise
@@ -31,25 +50,19 @@ def refuse(engine: Engine, code: grpc.StatusCode, message: str) -> RequestError:
     return RequestError(code, message)
 
 
-def _admit(engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, timeout_s: float | None) -> RequestHandle:
+def _check_serving(engine: Engine) -> None:
     if not engine.accepting:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is draining")
     if not engine.ready.is_set() or engine.facts is None:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the executor is not available")
-    facts = engine.facts
+
+
+def _enqueue(engine: Engine, cfg: RouterConfig, req) -> RequestHandle:
+    """On the event loop, after validation: the checks against the queue as
+    it is now, then the submit (nothing between them can interleave)."""
+    _check_serving(engine)  # the state may have changed while it was tokenized
     sched = engine.scheduler
     lim = cfg.limits
-    deadline = time.monotonic() + timeout_s if timeout_s is not None else None
-    usable_blocks = facts.num_blocks - sched.blocks.watermark_blocks
-    req = build_request(
-        msg,
-        engine.tokenizer,
-        lim,
-        facts.vocab_size,
-        facts.max_context,
-        usable_blocks * facts.block_size,
-        deadline,
-    )
     if req.request_id in engine.handles:
         raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight")
     if len(sched.waiting) >= lim.max_queued_requests:
@@ -59,5 +72,9 @@ def _admit(engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, timeout_
     if sched.num_queued_tokens() + len(req.prompt_token_ids) > lim.max_queued_tokens:
         raise RequestError(
             grpc.StatusCode.RESOURCE_EXHAUSTED, f"the queue is full ({lim.max_queued_tokens} prompt tokens waiting)"
+        )
+    if sum(r.nbytes for r in sched.waiting) + req.nbytes > lim.max_queued_bytes:
+        raise RequestError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"the queue is full ({lim.max_queued_bytes} bytes of requests waiting)"
         )
     return engine.submit(req)

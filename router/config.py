@@ -52,6 +52,9 @@ class ServerConfig:
     # larger value trades smoothness for less per-message CPU in the router
     # and the clients (vLLM's --stream-interval).
     stream_interval: int = 1
+    # Threads that tokenize, render chat templates and validate requests off
+    # the event loop (one slow request never stalls the others).
+    tokenizer_threads: int = 2
     # TLS on the public port: server certificate and key (PEM). Empty = plaintext.
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -122,6 +125,15 @@ class LimitsConfig:
     max_request_id_chars: int = 128
     max_messages: int = 256
     max_priority_abs: int = 1000
+    # Characters of prompt text, or of all chat message contents together
+    # (generation and Tokenize alike), and of a cache_salt.
+    max_input_chars: int = 1_000_000
+    max_cache_salt_chars: int = 256
+    # Serialized size of the requests waiting in the queue, together.
+    max_queued_bytes: int = 256 * 1024 * 1024
+    # Messages one stream may have waiting for a client that does not read;
+    # beyond it the request is cancelled with RESOURCE_EXHAUSTED.
+    max_stream_buffer: int = 4096
 
 
 @dataclass
@@ -188,12 +200,17 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         "max_request_id_chars",
         "max_messages",
         "max_priority_abs",
+        "max_input_chars",
+        "max_cache_salt_chars",
+        "max_queued_bytes",
+        "max_stream_buffer",
     ):
         _positive(getattr(lim, name), f"limits.{name}")
     if lim.default_max_new_tokens > lim.max_new_tokens:
         raise ConfigError("limits.default_max_new_tokens must be <= limits.max_new_tokens")
     srv = cfg.server
     _positive(srv.stream_interval, "server.stream_interval")
+    _positive(srv.tokenizer_threads, "server.tokenizer_threads")
     _positive(srv.max_http_body_bytes, "server.max_http_body_bytes")
     for name in ("port", "metrics_port", "http_port"):
         port = getattr(srv, name)

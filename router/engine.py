@@ -4,8 +4,10 @@ detokenized deltas, and keep going while the executor comes and goes."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -115,6 +117,9 @@ class Engine:
         self.handles: dict[str, RequestHandle] = {}
         self.ready = asyncio.Event()  # executor connected and sized
         self.accepting = True
+        # Tokenization, chat templates and validation of large inputs: never
+        # on the event loop (server.tokenizer_threads).
+        self._pool = ThreadPoolExecutor(cfg.server.tokenizer_threads, thread_name_prefix="cbserve-tokenize")
         self._wake = asyncio.Event()
         self._aborts: list[tuple[Request, Delta]] = []
         self._stop = asyncio.Event()
@@ -142,7 +147,12 @@ class Engine:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="cbserve-engine")
 
+    async def off_loop(self, fn, *args):
+        """fn(*args) on a tokenizer thread; the event loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
     async def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._stop.set()
         self._wake.set()
         if self._task is not None:
@@ -381,6 +391,16 @@ class Engine:
                 self._finish_handle(req, delta)
             else:
                 handle.hold_or_send(delta, interval, first=n_out == len(ev.token_ids))
+                if handle.queue.qsize() > self.cfg.limits.max_stream_buffer:
+                    # A client that stopped reading: its output must not pile
+                    # up in the router. Its blocks are freed at the next step.
+                    self.abort(
+                        req,
+                        (
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the client did not read its stream ({handle.queue.qsize()} messages waiting)",
+                        ),
+                    )
 
     def _finish_handle(self, req: Request, delta: Delta) -> None:
         handle = self.handles.pop(req.request_id, None)

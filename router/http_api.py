@@ -263,8 +263,12 @@ class OpenAIApi:
             if size > limit:
                 raise self._refused(413, f"the request body is larger than {limit} bytes", code="request_too_large")
             chunks.append(chunk)
+        # Parsing megabytes of JSON takes milliseconds: on a tokenizer thread.
+        return await self.engine.off_loop(self._parse, b"".join(chunks), model)
+
+    def _parse(self, raw: bytes, model: type[BaseModel]) -> Any:
         try:
-            data = json.loads(b"".join(chunks))
+            data = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise self._refused(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
@@ -365,11 +369,11 @@ class OpenAIApi:
             cache_salt=body.cache_salt or "",
         )
 
-    def _admit_all(self, msgs: list[gpb.GenerateRequest], timeout: float | None) -> list[RequestHandle]:
+    async def _admit_all(self, msgs: list[gpb.GenerateRequest], timeout: float | None) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         try:
             for msg in msgs:
-                handles.append(admit(self.engine, self.cfg, msg, timeout))
+                handles.append(await admit(self.engine, self.cfg, msg, timeout))
         except RequestError as exc:
             for h in handles:  # all prompts of a request run, or none
                 self.engine.abort(h.req)
@@ -408,7 +412,7 @@ class OpenAIApi:
                 else:
                     msg.token_ids.ids.extend(p)
             msgs.append(msg)
-        handles = self._admit_all(msgs, self._timeout(request))
+        handles = await self._admit_all(msgs, self._timeout(request))
         return await self._respond(request, body, handles, rid, chat=False)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
@@ -416,7 +420,7 @@ class OpenAIApi:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         msg = self._base_msg(body, max_tokens, rid)
         msg.messages.CopyFrom(_chat_messages(body.messages))
-        handles = self._admit_all([msg], self._timeout(request))
+        handles = await self._admit_all([msg], self._timeout(request))
         return await self._respond(request, body, handles, rid, chat=True)
 
     async def models(self, request: HttpRequest) -> Response:
@@ -445,7 +449,7 @@ class OpenAIApi:
             msg.messages.CopyFrom(_chat_messages(body.messages))
         eng = self.engine
         try:
-            ids = prompt_ids(msg, eng.tokenizer, self.cfg.limits, eng.facts.vocab_size)
+            ids = await eng.off_loop(prompt_ids, msg, eng.tokenizer, self.cfg.limits, eng.facts.vocab_size)
         except RequestError as exc:
             refuse(eng, exc.code, exc.message)
             raise _from_request_error(exc) from None
@@ -458,7 +462,8 @@ class OpenAIApi:
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise self._refused(400, f"tokens: {bad} is outside [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+        text = await self.engine.off_loop(self.engine.tokenizer.decode, body.tokens, False)
+        return JSONResponse({"prompt": text})
 
     async def health(self, request: HttpRequest) -> Response:
         ok = self.engine.ready.is_set() and self.engine.accepting

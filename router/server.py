@@ -37,7 +37,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
 
     async def _admit(self, request: gpb.GenerateRequest, context) -> RequestHandle:
         try:
-            return admit(self.engine, self.cfg, request, context.time_remaining())
+            return await admit(self.engine, self.cfg, request, context.time_remaining())
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
@@ -100,11 +100,13 @@ class GenerationService(gpb_grpc.GenerationServicer):
     async def Tokenize(self, request, context):
         eng = self.engine
         vocab = eng.facts.vocab_size if eng.facts else eng.tokenizer.vocab_size
+        request.DiscardUnknownFields()
         try:
-            ids = prompt_ids(request, eng.tokenizer, self.cfg.limits, vocab)
+            ids = await eng.off_loop(prompt_ids, request, eng.tokenizer, self.cfg.limits, vocab)
         except RequestError as exc:
             await self._refuse(context, exc.code, exc.message)
-        return gpb.TokenizeResponse(token_ids=ids, tokens=[eng.tokenizer.id_to_token(i) for i in ids])
+        tokens = await eng.off_loop(lambda: [eng.tokenizer.id_to_token(i) for i in ids])
+        return gpb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def ModelInfo(self, request, context):
         eng = self.engine

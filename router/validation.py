@@ -60,8 +60,12 @@ def prompt_ids(req, tokenizer: Tokenizer, limits: LimitsConfig, vocab_size: int)
     if kind == "text":
         if not req.text:
             raise _invalid("text: the prompt is empty")
+        if len(req.text) > limits.max_input_chars:
+            raise _invalid(f"text: longer than {limits.max_input_chars} characters")
         return tokenizer.encode(req.text)
     if kind == "messages":
+        if sum(len(m.content) for m in req.messages.messages) > limits.max_input_chars:
+            raise _invalid(f"messages: longer than {limits.max_input_chars} characters together")
         try:
             return tokenizer.apply_chat_template(_messages(req.messages, limits))
         except ChatTemplateError as exc:
@@ -134,6 +138,8 @@ def build_request(
         raise _invalid(f"request_id: longer than {limits.max_request_id_chars} characters")
     if not rid.isprintable():
         raise _invalid("request_id: must be printable")
+    if len(msg.cache_salt) > limits.max_cache_salt_chars:
+        raise _invalid(f"cache_salt: longer than {limits.max_cache_salt_chars} characters")
     if abs(msg.priority) > limits.max_priority_abs:
         raise _invalid(f"priority: must be within +-{limits.max_priority_abs}, got {msg.priority}")
     sampling = _sampling(msg.sampling, vocab_size)

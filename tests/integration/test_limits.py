@@ -98,3 +98,84 @@ def test_request_larger_than_the_kv_pool_is_refused():
             assert len(stub(ch).Complete(gen_request([5] * 20, max_new=20)).token_ids) == 20
     finally:
         server.stop()
+
+
+def test_input_and_salt_limits_hold_for_generation_and_tokenize():
+    from cbserve.v1 import generation_pb2 as gpb
+
+    server = start_server("tiny", config={"limits": {"max_input_chars": 1000, "max_cache_salt_chars": 16}})
+    try:
+        with server.channel() as ch:
+            s = stub(ch)
+            too_long = [
+                gen_request(text="x" * 1001, max_new=1),
+                gen_request(
+                    max_new=1, messages=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="y" * 600)] * 2)
+                ),
+                gen_request([5, 6], max_new=1, cache_salt="s" * 17),
+            ]
+            for req, field in zip(too_long, ("text", "messages", "cache_salt")):
+                with pytest.raises(grpc.RpcError) as err:
+                    s.Complete(req, timeout=30)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                s.Tokenize(gpb.TokenizeRequest(text="x" * 1001), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
+            assert len(s.Complete(gen_request(text="x" * 1000, max_new=1), timeout=30).token_ids) == 1
+        wait_idle(server)
+    finally:
+        server.stop()
+
+
+def test_queued_bytes_limit_refuses_what_would_exceed_it():
+    import os
+    import signal
+
+    server = start_server(
+        "tiny",
+        config={"scheduler": {"max_num_seqs": 1}, "limits": {"max_queued_bytes": 100}},
+    )
+    exe = server.executor_pid()
+    try:
+        with server.channel() as ch:
+            s = stub(ch)
+            running = _start_long(s)
+            os.kill(exe, signal.SIGSTOP)  # "running" holds the seat; the queue stays as it is
+            try:
+                waiting = s.Generate(gen_request([5] * 40, max_new=2))  # 48 bytes: fits
+                time.sleep(0.5)
+                with pytest.raises(grpc.RpcError) as err:
+                    s.Complete(gen_request([5] * 80, max_new=2), timeout=30)  # 88 more: do not
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes" in err.value.details()
+            finally:
+                os.kill(exe, signal.SIGCONT)
+            for c in running:
+                c.cancel()
+            assert len([m for m in waiting for _ in m.token_ids]) == 2
+        wait_idle(server)
+    finally:
+        server.stop()
+
+
+def test_a_client_that_stops_reading_is_cancelled_and_its_blocks_freed():
+    # The client's HTTP/2 window is kept small (no BDP growth): once it is
+    # full the server cannot write, and the router must not buffer the rest
+    # of a 2,000-token stream.
+    server = start_server("tiny", config={"limits": {"max_stream_buffer": 16}})
+    try:
+        opts = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+        with grpc.insecure_channel(server.address, options=opts) as ch:
+            it = stub(ch).Generate(gen_request([5, 6], max_new=2000))
+            next(it)
+            key = "cbserve_requests_total{finish_reason=CANCELLED,status=RESOURCE_EXHAUSTED}"
+            end = time.monotonic() + 60
+            while server.metrics().get(key, 0) < 1 and time.monotonic() < end:
+                time.sleep(0.2)
+            assert server.metrics().get(key, 0) == 1
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in it:
+                    pass
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "did not read" in err.value.details()
+        wait_idle(server)
+    finally:
+        server.stop()
