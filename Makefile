@@ -14,7 +14,7 @@ METRICS_PORT ?= 9090
 HTTP_PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve lint format test test-fast protos bench bench-kernels bench-peers bench-aiperf native-cuda-check clean
+.PHONY: install serve lint format test test-fast protos bench bench-kernels bench-peers bench-aiperf native-cuda-check image image-smoke clean
 
 install: $(STAMP)
 
@@ -55,6 +55,15 @@ test-fast: install
 protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 	  --grpc_python_out=protos protos/cbserve/v1/generation.proto protos/cbserve/v1/executor.proto
+
+# Container images (need a Docker daemon; docs/deploy.md). IMAGE_BUILD_ARGS
+# takes --build-arg TORCH_INDEX_URL=... INDEX_URL EXTRA_INDEX_URL EXTRA_CA_CERT.
+IMAGE ?= cbserve:0.1.0-cpu
+image:
+	docker build -f deploy/docker/Dockerfile.cpu -t $(IMAGE) $(IMAGE_BUILD_ARGS) .
+
+image-smoke:
+	deploy/docker/smoke.sh $(IMAGE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info native/*.so .cache
