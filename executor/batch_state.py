@@ -16,6 +16,7 @@ class SeqState:
     sampling: SamplingParams
     num_output: int  # tokens sampled so far (seeds the next draw)
     block_table: list[int] = field(default_factory=list)
+    allowed: bytes | None = None  # this step's structured-output mask, if any
 
 
 class BatchState:

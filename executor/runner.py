@@ -215,6 +215,8 @@ class ModelRunner:
         self.kv.swap_out([(c.src, c.dst) for c in plan.swap_out])
         self.kv.swap_in([(c.src, c.dst) for c in plan.swap_in])
         scheduled = [(s.seq_id, s.num_tokens, self._admit(s)) for s in plan.seqs]
+        for s, (_, _, st) in zip(plan.seqs, scheduled):
+            st.allowed = s.allowed_tokens or None  # this step's grammar mask, if any
         return [x for x in scheduled if x[1] > 0]
 
     def _graphable(self, scheduled: list[tuple[int, int, SeqState]]) -> bool:
@@ -237,13 +239,14 @@ class ModelRunner:
             st.num_computed += 1
         states = [(seq_id, st) for seq_id, _, st in scheduled]
         params = [st.sampling for _, st in states]
+        allowed = [st.allowed for _, st in states]
         logprobs = None
-        if greedy_only(params):  # the graph's own argmax, on the device
+        if greedy_only(params) and not any(allowed):  # the graph's own argmax, on the device
             tokens = self.graphs.tokens_to_host(argmax, len(states))
         else:
             logits = finish_logits(self.config, self.graphs.logits[bucket][: len(states)])
             hist = [st.token_ids if st.sampling.needs_history else None for _, st in states]
-            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in states])
+            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in states], allowed)
         return self._record(states, tokens), tokens, logprobs
 
     def _prepare_inputs(self, scheduled: list[tuple[int, int, SeqState]]) -> _Batch:
@@ -363,15 +366,17 @@ class ModelRunner:
         if not sample_states:
             return [], [], None
         params = [st.sampling for _, st in sample_states]
+        allowed = [st.allowed for _, st in sample_states]
         logprobs = None
         greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
-        picked = greedy_head(rows) if greedy_head is not None and greedy_only(params) else None
+        fast = greedy_head is not None and greedy_only(params) and not any(allowed)
+        picked = greedy_head(rows) if fast else None
         if picked is not None:  # the LM head's argmax straight from its accumulators
             tokens = picked
         else:
             logits = finish_logits(self.config, self.model.lm_head(rows))
             hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
-            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states])
+            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states], allowed)
         return self._record(sample_states, tokens), tokens, logprobs
 
     @staticmethod

@@ -174,16 +174,36 @@ def greedy_only(params: list[SamplingParams]) -> bool:
     return all(p.greedy and not p.moves_logits and not p.logprobs for p in params)
 
 
+def apply_allowed(x: torch.Tensor, allowed: list[bytes | None]) -> torch.Tensor:
+    """Masks to -inf, in the rows that carry one, every token a structured
+    output's grammar does not allow (bit t of little-endian 32-bit word
+    t // 32 set = allowed); one batched unpack for all of them."""
+    rows = [i for i, a in enumerate(allowed) if a]
+    if not rows:
+        return x
+    vocab = x.shape[-1]
+    words = torch.frombuffer(bytearray(b"".join(allowed[i] for i in rows)), dtype=torch.int32).view(len(rows), -1)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    ok = bits.view(len(rows), -1)[:, :vocab].bool()
+    idx = torch.tensor(rows)
+    x = x.clone()
+    x[idx] = x[idx].masked_fill(~ok, float("-inf"))
+    return x
+
+
 def sample(
     logits: torch.Tensor,  # [N, V], any float dtype
     params: list[SamplingParams],
     histories: list[list[int] | None],
     output_indices: list[int],
+    allowed: list[bytes | None] | None = None,
 ) -> tuple[list[int], list[float] | None]:
     """Next token for each row, and the raw model log-probability of each
-    chosen token when any row asked for logprobs."""
+    chosen token when any row asked for logprobs. `allowed`: per row, the
+    structured-output mask of the tokens that may be sampled, or None."""
     want_logprobs = any(p.logprobs for p in params)
-    if greedy_only(params):
+    allowed = allowed or [None] * len(params)
+    if greedy_only(params) and not any(allowed):
         # Greedy fast path in the model's dtype: upcasting bf16 is exact, so
         # the maximum and its first index are the same without the fp32 copy.
         return greedy_tokens(logits), None
@@ -191,7 +211,7 @@ def sample(
     # the same tokens on every device (a GPU's rows are [N, V], a few MB).
     logits = logits.to("cpu", torch.float32)
     raw_logprobs = torch.log_softmax(logits, -1) if want_logprobs else None
-    logits = process_logits(logits, params, histories, output_indices)
+    logits = apply_allowed(process_logits(logits, params, histories, output_indices), allowed)
     tokens = greedy_tokens(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

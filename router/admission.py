@@ -5,6 +5,7 @@ way whichever protocol it came in by."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -27,7 +28,7 @@ async def admit(engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, tim
         facts = engine.facts
         usable_blocks = facts.num_blocks - engine.scheduler.blocks.watermark_blocks
         deadline = time.monotonic() + timeout_s if timeout_s is not None else None
-        req = await engine.off_loop(
+        build = engine.off_loop(
             build_request,
             msg,
             engine.tokenizer,
@@ -36,7 +37,18 @@ async def admit(engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, tim
             facts.max_context,
             usable_blocks * facts.block_size,
             deadline,
+            engine.structured,
         )
+        if msg.HasField("structured"):
+            limit = cfg.limits.grammar_compile_timeout_s
+            try:
+                req = await asyncio.wait_for(build, limit)
+            except asyncio.TimeoutError:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"structured: the constraint did not compile within {limit} s"
+                ) from None
+        else:
+            req = await build
         req.nbytes = nbytes
         return _enqueue(engine, cfg, req)
     except RequestError as exc:

@@ -134,6 +134,8 @@ class LimitsConfig:
     # Messages one stream may have waiting for a client that does not read;
     # beyond it the request is cancelled with RESOURCE_EXHAUSTED.
     max_stream_buffer: int = 4096
+    # A structured-output constraint that takes longer to compile is refused.
+    grammar_compile_timeout_s: float = 10.0
 
 
 @dataclass
@@ -204,6 +206,7 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         "max_cache_salt_chars",
         "max_queued_bytes",
         "max_stream_buffer",
+        "grammar_compile_timeout_s",
     ):
         _positive(getattr(lim, name), f"limits.{name}")
     if lim.default_max_new_tokens > lim.max_new_tokens:

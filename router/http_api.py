@@ -86,6 +86,7 @@ _PARAM = {
     "messages": "messages",
     "request_id": "X-Request-Id",
     "priority": "priority",
+    "structured": "response_format",
 }
 # OpenAI fields cbserve does not implement yet, with the values that ask for
 # nothing beyond the default (besides absent or null). Compared with their
@@ -98,7 +99,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (),
     "logprobs": (False,),
     "top_logprobs": (0,),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": (),
@@ -163,6 +163,14 @@ class _Common(_Body):
     min_p: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields
+    # and structured_outputs object.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -356,6 +364,7 @@ class OpenAIApi:
             sampling.seed = body.seed
         return gpb.GenerateRequest(
             request_id=request_id,
+            structured=self._structured(body),
             sampling=sampling,
             stopping=gpb.StoppingCriteria(
                 max_new_tokens=max_tokens or 0,
@@ -368,6 +377,61 @@ class OpenAIApi:
             priority=-body.priority,
             cache_salt=body.cache_salt or "",
         )
+
+    def _structured(self, body: _Common) -> gpb.StructuredOutput | None:
+        """The one structured-output constraint of a body, from whichever of
+        OpenAI's and vLLM's fields carries it; None when there is none."""
+        found: list[tuple[str, gpb.StructuredOutput]] = []
+        rf = body.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", gpb.StructuredOutput(json_object=True)))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+                if not isinstance(schema, (dict, bool)):
+                    msg = "response_format: json_schema.schema must be a JSON Schema object"
+                    raise self._refused(400, msg, "response_format")
+                found.append(("response_format", gpb.StructuredOutput(json_schema=json.dumps(schema))))
+            elif kind != "text":
+                msg = f"response_format: type {str(kind)[:32]!r} is not text, json_object or json_schema"
+                raise self._refused(400, msg, "response_format")
+        so = dict(body.structured_outputs or {})
+        pairs = [
+            ("guided_json", body.guided_json),
+            ("guided_regex", body.guided_regex),
+            ("guided_choice", body.guided_choice),
+            ("guided_grammar", body.guided_grammar),
+            ("structured_outputs.json", so.pop("json", None)),
+            ("structured_outputs.regex", so.pop("regex", None)),
+            ("structured_outputs.choice", so.pop("choice", None)),
+            ("structured_outputs.grammar", so.pop("grammar", None)),
+        ]
+        if so.pop("json_object", None):
+            found.append(("structured_outputs.json_object", gpb.StructuredOutput(json_object=True)))
+        if so:
+            raise self._refused(400, f"structured_outputs: {sorted(so)[0]!r} is not supported", "structured_outputs")
+        for name, value in pairs:
+            if value is None:
+                continue
+            kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
+            if kind == "json":
+                text = value if isinstance(value, str) else json.dumps(value)
+                found.append((name, gpb.StructuredOutput(json_schema=text)))
+            elif kind == "choice":
+                if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                    raise self._refused(400, f"{name}: a list of strings", name)
+                found.append((name, gpb.StructuredOutput(choice=gpb.Choices(choices=value))))
+            elif isinstance(value, str):
+                found.append((name, gpb.StructuredOutput(**{kind: value})))
+            else:
+                raise self._refused(400, f"{name}: a string", name)
+        if len(found) > 1:
+            names = ", ".join(n for n, _ in found)
+            msg = f"{found[1][0]}: one structured-output constraint per request, got {names}"
+            raise self._refused(400, msg, found[1][0])
+        return found[0][1] if found else None
 
     async def _admit_all(self, msgs: list[gpb.GenerateRequest], timeout: float | None) -> list[RequestHandle]:
         handles: list[RequestHandle] = []

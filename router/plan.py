@@ -53,6 +53,9 @@ def encode_plan(step_id: int, out: SchedulerOutput, eos_token_ids: tuple[int, ..
                     num_output_tokens=len(req.output_token_ids),
                 )
             )
+        if req.matcher is not None and item.num_tokens and req.num_computed_tokens + item.num_tokens >= req.num_tokens:
+            # This step samples the sequence: what its grammar allows next.
+            msg.allowed_tokens = req.matcher.compute_bitmask()
         seqs.append(msg)
     return pb.Plan(
         step_id=step_id,

@@ -61,6 +61,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # monotonic seconds; None = no deadline
     nbytes: int = 0  # serialized size of the request it came from (limits.max_queued_bytes)
+    matcher: object = None  # llguidance matcher of a structured-output request (router/structured.py)
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
 
     status: Status = Status.WAITING

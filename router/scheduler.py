@@ -311,6 +311,10 @@ class Scheduler:
         caller waits for `inflight` and calls schedule()."""
         if self.waiting or self.swapped or not self.running:
             return None
+        # A structured-output sequence's next mask needs the token in flight:
+        # while one runs, steps are not planned ahead (docs/api.md).
+        if any(r.matcher is not None for r in self.running):
+            return None
         if inflight.swap_in or inflight.swap_out or inflight.num_preempted:
             return None
         if len(self.running) > self.cfg.max_num_batched_tokens:
@@ -371,6 +375,11 @@ class Scheduler:
                 req.first_token_time = now
             req.last_token_time = now
             events.append(TokenEvent(req, [tok], [lp] if lp is not None and req.sampling.logprobs else []))
+            if req.matcher is not None:
+                req.matcher.consume_token(tok)
+                if req.matcher.is_stopped() or req.matcher.is_error():  # the grammar is complete
+                    self.finish(req, Finish.EOS)
+                    continue
             stopping = req.stopping
             early = len(req.output_token_ids) < stopping.min_tokens  # the executor suppressed these; never end here
             if tok in self.eos and not stopping.ignore_eos and not early:

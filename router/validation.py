@@ -123,6 +123,21 @@ def _sampling(s: gpb.SamplingParams, vocab_size: int) -> Sampling:
     )
 
 
+def _matcher(msg: gpb.GenerateRequest, structured):
+    """The matcher of a structured-output request (INVALID_ARGUMENT naming
+    the constraint when it does not compile)."""
+    from router.structured import ConstraintError
+
+    if msg.structured.WhichOneof("constraint") is None:
+        raise _invalid("structured: set one of json_schema, json_object, regex, grammar, choice")
+    if structured is None:
+        raise _invalid("structured: the executor is not available")
+    try:
+        return structured.matcher(structured.grammar(msg.structured))
+    except ConstraintError as exc:
+        raise _invalid(f"structured.{exc}") from None
+
+
 def build_request(
     msg: gpb.GenerateRequest,
     tokenizer: Tokenizer,
@@ -131,6 +146,7 @@ def build_request(
     max_context: int,
     max_tokens_in_pool: int,
     deadline: float | None = None,
+    structured=None,
 ) -> Request:
     """Validates a GenerateRequest and turns it into a Request (not queued)."""
     rid = msg.request_id or uuid.uuid4().hex
@@ -180,7 +196,9 @@ def build_request(
         )
     expected = msg.expected_output_tokens if msg.HasField("expected_output_tokens") else None
     sampling = Sampling(**{**sampling.__dict__, "logprobs": msg.logprobs})
+    matcher = _matcher(msg, structured) if msg.HasField("structured") else None
     return Request(
+        matcher=matcher,
         request_id=rid,
         prompt_token_ids=ids,
         sampling=sampling,

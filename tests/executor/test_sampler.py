@@ -167,3 +167,24 @@ def test_the_penalties_keep_seeded_sampling_batch_independent():
     alone, _ = sample(logits[:1], [p], hist[:1], [6])
     together, _ = sample(logits, [p, SamplingParams(temperature=0.5, seed=2), p], hist, [6, 1, 2])
     assert together[0] == alone[0]
+
+
+def test_grammar_masks_unpack_little_endian_words_and_compose_with_sampling():
+    from executor.sampler import apply_allowed
+
+    vocab = 70  # not a multiple of 32: the last word is partly padding
+    allowed_ids = [0, 31, 32, 63, 69]  # bit 31 of a word is its sign bit
+    words = [0, 0, 0]
+    for t in allowed_ids:
+        words[t // 32] |= 1 << (t % 32)
+    mask = b"".join(w.to_bytes(4, "little") for w in words)
+    logits = torch.randn(3, vocab)
+    out = apply_allowed(logits, [mask, None, mask])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == allowed_ids
+    assert torch.equal(out[1], logits[1])
+    for seed in range(20):
+        p = SamplingParams(temperature=1.5, seed=seed, presence_penalty=1.0)
+        toks, _ = sample(logits, [p, SamplingParams(), p], [[5, 5], None, [0]], [2, 0, 1], [mask, None, mask])
+        assert toks[0] in allowed_ids and toks[2] in allowed_ids
+    greedy, _ = sample(logits, [SamplingParams()] * 3, [None] * 3, [0] * 3, [mask, None, None])
+    assert greedy[0] == max(allowed_ids, key=lambda t: logits[0, t]) and greedy[1] == int(logits[1].argmax())

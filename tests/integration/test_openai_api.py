@@ -236,7 +236,6 @@ def _error(resp, status, param=None):
         ("n", 0),
         ("logprobs", 1),
         ("logprobs", 0),  # completions' logprobs=0 still asks for the sampled token's logprob
-        ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function"}]),
         ("best_of", 3),
         ("echo", True),

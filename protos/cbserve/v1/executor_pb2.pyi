@@ -85,18 +85,20 @@ class NewSeq(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SeqSampling, _Mapping]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduledSeq(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "new", "replace_block_table")
+    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "new", "replace_block_table", "allowed_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_FIELD_NUMBER: _ClassVar[int]
     REPLACE_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     new: NewSeq
     replace_block_table: bool
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new: _Optional[_Union[NewSeq, _Mapping]] = ..., replace_block_table: _Optional[bool] = ...) -> None: ...
+    allowed_tokens: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new: _Optional[_Union[NewSeq, _Mapping]] = ..., replace_block_table: _Optional[bool] = ..., allowed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
