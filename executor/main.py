@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import signal
 import sys
 
 import structlog
@@ -57,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging("info", "auto", process="executor")
+    # Nothing to reload: a hang-up must not kill the model (its default action).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if os.environ.get("CBSERVE_READY_FD"):  # started by `cbserve serve`: never outlive it
+        _die_with_parent()
     try:
         cache = load_cache_config(args.config)
     except ConfigError as exc:
@@ -128,6 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     _signal_ready()
     wait_forever(server, health, service.worker)
     return 0
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG): a killed
+    `cbserve serve` leaves no executor holding the model and the port."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux / glibc
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _signal_ready() -> None:

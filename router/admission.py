@@ -75,6 +75,15 @@ def _enqueue(engine: Engine, cfg: RouterConfig, req) -> RequestHandle:
     _check_serving(engine)  # the state may have changed while it was tokenized
     sched = engine.scheduler
     lim = cfg.limits
+    budget = sched.cfg.max_num_batched_tokens
+    if not sched.cfg.enable_chunked_prefill and len(req.prompt_token_ids) > budget:
+        # Unchunked, such a prompt never fits a step: refused now, not left
+        # at the head of the queue.
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"input: the prompt has {len(req.prompt_token_ids)} tokens, more than scheduler.max_num_batched_tokens "
+            f"({budget}) with chunked prefill off",
+        )
     if req.request_id in engine.handles:
         raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight")
     if len(sched.waiting) >= lim.max_queued_requests:

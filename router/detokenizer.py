@@ -66,9 +66,23 @@ class IncrementalDetokenizer:
             self.text = self.text[:cut]
             self.stopped = True
 
+    def _flush(self) -> None:
+        """At the end of the output: tokens still held back as the start of
+        an incomplete UTF-8 character are released as they decode (U+FFFD),
+        so the text equals the decode of the output tokens."""
+        if self.stopped or self.read_offset >= len(self.ids):
+            return
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+        self.read_offset = len(self.ids)
+
     def take(self, final: bool = False) -> str:
         """The text not yet released; holds back a possible stop-string prefix
-        unless final."""
+        unless final (which also releases an incomplete trailing character)."""
+        if final:
+            self._flush()
         end = len(self.text) if final or self.stopped else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted : end]
         self.emitted = end

@@ -57,6 +57,10 @@ async def run_router(
     loop.add_signal_handler(signal.SIGINT, stop.set)
     if config_path:
         loop.add_signal_handler(signal.SIGHUP, _reload)
+    else:  # nothing to reload: SIGHUP's default action would kill the router
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: _LOGGER.warning("SIGHUP ignored: started without --config, nothing to reload")
+        )
     # The tokenizer, config, server and imported libraries live as long as
     # the process: out of the cyclic GC's reach, as in the executor, so a full
     # collection never stalls the event loop walking them

@@ -175,6 +175,8 @@ def build_request(
     if st.max_new_tokens > limits.max_new_tokens:
         raise _invalid(f"stopping.max_new_tokens: {st.max_new_tokens} is above the limit {limits.max_new_tokens}")
     ids = prompt_ids(msg, tokenizer, limits, vocab_size)
+    if not ids:
+        raise _invalid("input: the prompt is empty once tokenized")
     if len(ids) >= max_context:
         raise _invalid(f"input: the prompt has {len(ids)} tokens; the model context is {max_context}")
     room = max_context - len(ids)

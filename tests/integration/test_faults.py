@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cbserve.v1 import generation_pb2 as gpb
 from router.tokenizer import build_tiny_tokenizer
-from tests.conftest import REPO, start_server, wait_serving
+from tests.conftest import REPO, free_port, start_server, wait_serving
 from tests.integration.helpers import gen_request, stub, wait_idle
 
 
@@ -265,3 +265,51 @@ def test_a_kv_cache_larger_than_memory_stops_serve_with_a_clear_error(tmp_path):
     cfg.write_text(yaml.safe_dump({"cache": {"kv_cache_bytes": 1 << 44}}))
     log = _serve_refused("--device", "cpu", "--config", str(cfg))
     assert "the KV cache does not fit" in log and "lower cache.kv_cache_bytes" in log
+
+
+def _serve_without_config():
+    port = free_port()
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd + ["--metrics-port", "0", "--http-port", "0", "--host", "127.0.0.1"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    wait_serving(f"127.0.0.1:{port}", 120, proc)
+    return proc, port
+
+
+def _executor_of(proc) -> int:
+    return next(c.pid for c in psutil.Process(proc.pid).children(recursive=True) if "executor" in " ".join(c.cmdline()))
+
+
+def test_sighup_without_config_is_ignored_by_both_processes():
+    proc, port = _serve_without_config()
+    try:
+        exe = _executor_of(proc)
+        proc.send_signal(signal.SIGHUP)
+        os.kill(exe, signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None and psutil.pid_exists(exe) and psutil.Process(exe).status() != "zombie"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            assert len(stub(ch).Complete(gen_request([5, 6, 7], max_new=3), timeout=30).token_ids) == 3
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "SIGHUP ignored" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_executor_dies_with_a_killed_serve():
+    proc, _ = _serve_without_config()
+    exe = _executor_of(proc)
+    proc.kill()  # SIGKILL: serve cannot stop its child itself
+    proc.communicate(timeout=30)
+    end = time.monotonic() + 20
+    while psutil.pid_exists(exe) and psutil.Process(exe).status() != "zombie" and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(exe) or psutil.Process(exe).status() == "zombie"

@@ -179,3 +179,19 @@ def test_a_client_that_stops_reading_is_cancelled_and_its_blocks_freed():
         wait_idle(server)
     finally:
         server.stop()
+
+
+def test_without_chunked_prefill_a_prompt_over_the_token_budget_is_refused_at_once():
+    server = start_server(
+        "tiny", config={"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_num_seqs": 8}}
+    )
+    try:
+        with server.channel() as ch:
+            s = stub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                s.Complete(gen_request([5] * 65, max_new=2), timeout=10)  # used to wait at the head of the queue
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chunked prefill off" in err.value.details()
+            assert len(s.Complete(gen_request([5] * 60, max_new=2), timeout=30).token_ids) == 2
+        wait_idle(server)
+    finally:
+        server.stop()
