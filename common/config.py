@@ -27,8 +27,12 @@ class CacheConfig:
     block_size: int = 16
     # Device KV blocks; 0 = derive from kv_cache_bytes.
     num_blocks: int = 0
-    # KV pool size in bytes when num_blocks is 0.
+    # KV pool size in bytes when num_blocks and memory_fraction are 0.
     kv_cache_bytes: int = 1 << 30
+    # When > 0 (and num_blocks is 0): the KV pool takes this share of the
+    # memory available to it once the model is loaded (free GPU memory, or
+    # the host's / the container's available memory on the CPU).
+    memory_fraction: float = 0.0
     # Host memory for swap preemption (executor side).
     swap_space_bytes: int = 256 << 20
     # Share of blocks kept free when admitting new prompts, so running
@@ -109,6 +113,10 @@ def validate_cache(c: CacheConfig) -> CacheConfig:
     positive(c.num_blocks, "cache.num_blocks", True)
     positive(c.kv_cache_bytes, "cache.kv_cache_bytes")
     positive(c.swap_space_bytes, "cache.swap_space_bytes", True)
+    if not 0 <= c.memory_fraction <= 0.95:
+        raise ConfigError(
+            f"cache.memory_fraction: must be in [0, 0.95] (0 = use kv_cache_bytes), got {c.memory_fraction}"
+        )
     if c.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"cache.kv_cache_dtype: {c.kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}")
     if not 0 <= c.watermark < 0.5:

@@ -119,6 +119,14 @@ def _check_fits(device: str, device_bytes: int, host_bytes: int) -> None:
             )
 
 
+def available_bytes(device: str) -> int | None:
+    """Memory a KV pool on `device` could take now: free GPU memory, or the
+    host's available memory (within a cgroup limit) for the CPU."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    return host_available_bytes()
+
+
 def cpu_pool(count: int, dims: tuple[int, ...], dtype: torch.dtype) -> tuple[list[torch.Tensor], mmap.mmap | None]:
     """`count` zeroed CPU tensors of shape `dims` in one private anonymous
     mapping marked for transparent huge pages (where the kernel offers them),

@@ -16,7 +16,7 @@ import torch
 from common.config import ConfigError, load_cache_config
 from common.logging_setup import configure_logging
 from executor import model_loader, model_source
-from executor.kv_cache import CacheShape, KVCacheTooLarge, cache_dtype
+from executor.kv_cache import CacheShape, KVCacheTooLarge, available_bytes, cache_dtype
 from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
 from executor.server import ExecutorService, build_server, wait_forever
@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="the router's YAML file: its cache section sizes the KV pool")
     p.add_argument("--attention-backend", default="native", choices=["native", "torch"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument(
+        "--max-model-len", type=int, default=0, help="longest sequence served, prompt + output (0 = the model's)"
+    )
     p.add_argument(
         "--cuda-graph-max-batch",
         type=int,
@@ -79,7 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cache.block_size, kv_dtype)
-    num_blocks = cache.num_blocks or shape.blocks_for(cache.kv_cache_bytes)
+    kv_bytes = cache.kv_cache_bytes
+    if cache.memory_fraction and not cache.num_blocks:
+        free = available_bytes(str(device))
+        if free is None:
+            return _refused(ConfigError("cache.memory_fraction: the available memory cannot be read here"))
+        kv_bytes = int(free * cache.memory_fraction)
+        if device.type == "cpu":  # the swap pool comes out of the same host memory
+            kv_bytes -= cache.swap_space_bytes
+        _LOGGER.info("KV pool sized from available memory", available_mb=free >> 20, fraction=cache.memory_fraction)
+    num_blocks = cache.num_blocks or shape.blocks_for(kv_bytes)
+    if num_blocks < 1:
+        return _refused(ConfigError("cache: the KV pool would hold no block; give it more memory"))
     num_swap = shape.blocks_for(cache.swap_space_bytes)
     try:
         runner = ModelRunner(
@@ -90,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             args.attention_backend,
             kv_cache_dtype=kv_dtype,
             cuda_graph_max_batch=max(0, args.cuda_graph_max_batch),
+            max_model_len=max(0, args.max_model_len),
         )
-    except KVCacheTooLarge as exc:
+    except (KVCacheTooLarge, ValueError) as exc:  # ValueError: a --max-model-len beyond the model's
         return _refused(exc)
     except Exception as exc:  # noqa: BLE001  (a model whose first forward pieces fail cannot be served either)
         return _refused(model_loader.ModelNotServable(f"{type(model).__name__}: cannot be served: {exc!r}"))

@@ -83,6 +83,7 @@ class ModelRunner:
         lean_forward: bool = True,
         kv_cache_dtype: torch.dtype | None = None,
         cuda_graph_max_batch: int = 256,
+        max_model_len: int = 0,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -121,7 +122,11 @@ class ModelRunner:
         self.block_size = block_size
         self.kv = KVCache(self.cache_shape, num_blocks, num_swap_blocks, device=str(self.device))
         self.state = BatchState()
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+        model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+        if max_model_len > model_len:
+            raise ValueError(f"--max-model-len {max_model_len} is beyond the model's context ({model_len} positions)")
+        # The longest sequence served: the model's context, or less (--max-model-len).
+        self.max_context = max_model_len or model_len
         self.gpu = None  # the GPU lean forward, where it runs this model
         self.graphs = None  # its decode steps as CUDA graphs
         self.graph_capture: dict | None = None

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--executor-threads", type=int, default=0, help="torch threads of the executor (0 = one per core)"
     )
     serve.add_argument(
+        "--max-model-len", type=int, default=0, help="longest sequence served, prompt + output (0 = the model's)"
+    )
+    serve.add_argument(
         "--cuda-graph-max-batch",
         type=int,
         default=256,

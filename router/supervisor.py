@@ -120,6 +120,8 @@ async def _serve(args) -> int:
         str(args.executor_metrics_port),
         "--metrics-host",
         args.executor_metrics_host,
+        "--max-model-len",
+        str(args.max_model_len),
         # No graph for more sequences than the scheduler ever runs together.
         "--cuda-graph-max-batch",
         str(min(args.cuda_graph_max_batch, cfg.scheduler.max_num_seqs)),
