@@ -232,6 +232,28 @@ def test_router_ports_and_probes_match_router_defaults(name, tmp_path):
     policy = one(render(name), "NetworkPolicy")["spec"]
     allowed = {p["port"] for rule in policy["ingress"] for p in rule["ports"]}
     assert allowed == {defaults.port, defaults.http_port, defaults.metrics_port}
+    # Every rule names its peers: no port is open to the whole cluster.
+    assert all(rule.get("from") for rule in policy["ingress"])
+    metrics_from = [
+        peer for rule in policy["ingress"] for peer in rule["from"] if _ports(rule) == {defaults.metrics_port}
+    ]
+    assert metrics_from == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def _ports(rule) -> set[int]:
+    return {p["port"] for p in rule["ports"]}
+
+
+@needs_kubectl
+def test_the_endpoint_picker_may_reach_the_pods_it_scores():
+    defaults = ServerConfig()
+    policy = one(render("inference-gateway"), "NetworkPolicy")["spec"]
+    epp = [
+        r
+        for r in policy["ingress"]
+        if {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "cbserve-epp"}}} in r["from"]
+    ]
+    assert len(epp) == 1 and _ports(epp[0]) == {defaults.http_port, defaults.metrics_port}
 
 
 @needs_kubectl
