@@ -38,6 +38,9 @@ class StepOutput:
     logprobs: list[float] | None
     forward_seconds: float
     step_seconds: float
+    # Per sampled sequence, its top_logprobs alternatives (ids, logprobs) or
+    # None; None when no sequence of the step asked for them.
+    top: list | None = None
 
 
 @dataclass
@@ -68,6 +71,7 @@ def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
         logit_bias_values=tuple(s.logit_bias_values),
         min_tokens=s.min_tokens,
         suppress_ids=tuple(s.suppress_ids),
+        top_logprobs=s.top_logprobs,
     )
 
 
@@ -194,6 +198,7 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, plan: pb.Plan) -> StepOutput:
         t0 = time.perf_counter()
+        self._top: list = []  # filled by the sampler for the rows that ask
         scheduled = self._apply_plan(plan)
         if not scheduled:
             return StepOutput([], [], None, 0.0, time.perf_counter() - t0)
@@ -201,7 +206,7 @@ class ModelRunner:
             tf = time.perf_counter()
             seq_ids, tokens, logprobs = self._graph_decode(scheduled)
             forward = time.perf_counter() - tf
-            return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0)
+            return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, self._tops())
         batch = self._prepare_inputs(scheduled)
         tf = time.perf_counter()
         rows = self._run_model(batch)
@@ -209,7 +214,10 @@ class ModelRunner:
             st.num_computed += n
         seq_ids, tokens, logprobs = self._sample(rows, batch.sample_states)
         forward = time.perf_counter() - tf
-        return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0)
+        return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, self._tops())
+
+    def _tops(self) -> list | None:
+        return self._top if any(t is not None for t in self._top) else None
 
     def _apply_plan(self, plan: pb.Plan) -> list[tuple[int, int, SeqState]]:
         """Frees, swaps and admits what the plan says; returns the sequences
@@ -251,7 +259,8 @@ class ModelRunner:
         else:
             logits = finish_logits(self.config, self.graphs.logits[bucket][: len(states)])
             hist = [st.token_ids if st.sampling.needs_history else None for _, st in states]
-            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in states], allowed)
+            outputs = [st.num_output for _, st in states]
+            tokens, logprobs = sample(logits, params, hist, outputs, allowed, top_out=self._top)
         return self._record(states, tokens), tokens, logprobs
 
     def _prepare_inputs(self, scheduled: list[tuple[int, int, SeqState]]) -> _Batch:
@@ -381,7 +390,8 @@ class ModelRunner:
         else:
             logits = finish_logits(self.config, self.model.lm_head(rows))
             hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
-            tokens, logprobs = sample(logits, params, hist, [st.num_output for _, st in sample_states], allowed)
+            outputs = [st.num_output for _, st in sample_states]
+            tokens, logprobs = sample(logits, params, hist, outputs, allowed, top_out=self._top)
         return self._record(sample_states, tokens), tokens, logprobs
 
     @staticmethod

@@ -43,6 +43,7 @@ class SamplingParams:
     logit_bias_values: tuple[float, ...] = ()
     min_tokens: int = 0
     suppress_ids: tuple[int, ...] = ()  # not sampled while fewer than min_tokens are out
+    top_logprobs: int = 0  # with logprobs: the k best alternatives too
 
     @property
     def greedy(self) -> bool:
@@ -197,10 +198,13 @@ def sample(
     histories: list[list[int] | None],
     output_indices: list[int],
     allowed: list[bytes | None] | None = None,
+    top_out: list | None = None,
 ) -> tuple[list[int], list[float] | None]:
     """Next token for each row, and the raw model log-probability of each
     chosen token when any row asked for logprobs. `allowed`: per row, the
-    structured-output mask of the tokens that may be sampled, or None."""
+    structured-output mask of the tokens that may be sampled, or None.
+    `top_out`, when given, gets per row (ids, logprobs) of its top_logprobs
+    most likely tokens in the raw distribution, or None."""
     want_logprobs = any(p.logprobs for p in params)
     allowed = allowed or [None] * len(params)
     if greedy_only(params) and not any(allowed):
@@ -222,4 +226,16 @@ def sample(
     if raw_logprobs is not None:
         chosen = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
         logprobs = raw_logprobs.gather(1, chosen).squeeze(1).tolist()
+        if top_out is not None:
+            top_out.extend(_top(raw_logprobs, [p.top_logprobs for p in params]))
     return tokens, logprobs
+
+
+def _top(raw_logprobs: torch.Tensor, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:
+    """Each row's k most likely tokens (one topk for the batch), or None where k is 0."""
+    kmax = min(max(ks), raw_logprobs.shape[-1])
+    if kmax <= 0:
+        return [None] * len(ks)
+    vals, ids = raw_logprobs.topk(kmax, dim=-1)
+    vals, ids = vals.tolist(), ids.tolist()
+    return [(ids[i][:k], vals[i][:k]) if k else None for i, k in enumerate(ks)]

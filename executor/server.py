@@ -235,7 +235,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         m.step_tokens.observe(sum(s.num_tokens for s in request.seqs))
         m.sampled_tokens.inc(len(out.token_ids))
         m.sequences.set(len(self.runner.state))
-        return pb.StepResult(
+        result = pb.StepResult(
             step_id=request.step_id,
             seq_ids=out.seq_ids,
             token_ids=out.token_ids,
@@ -243,6 +243,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             forward_seconds=out.forward_seconds,
             step_seconds=out.step_seconds,
         )
+        for top in out.top or []:
+            ids, lps = top if top is not None else ([], [])
+            result.top_counts.append(len(ids))
+            result.top_token_ids.extend(ids)
+            result.top_logprobs.extend(lps)
+        return result
 
     def Reset(self, request, context):
         with self._order:

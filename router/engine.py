@@ -34,6 +34,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top: list = field(default_factory=list)  # per token (ids, logprobs) of its top_logprobs alternatives
     finish: Finish | None = None
     # A gRPC status that ends the stream with an error instead of a finish.
     error: tuple[grpc.StatusCode, str] | None = None
@@ -44,9 +45,20 @@ class Delta:
             token_ids=self.token_ids + later.token_ids,
             text=self.text + later.text,
             logprobs=self.logprobs + later.logprobs,
+            top=self.top + later.top,
             finish=later.finish,
             error=later.error,
         )
+
+
+def _tops(result) -> list:
+    """A step result's flat top_logprobs, per sampled sequence: (ids, logprobs) or None."""
+    out, at = [], 0
+    ids, lps = list(result.top_token_ids), list(result.top_logprobs)
+    for n in result.top_counts:
+        out.append((ids[at : at + n], lps[at : at + n]) if n else None)
+        at += n
+    return out
 
 
 class RequestHandle:
@@ -312,7 +324,13 @@ class Engine:
                     _LOGGER.error("plan rejected", error=str(exc))
                     raise ExecutorUnavailable(str(exc)) from exc
                 now = time.perf_counter()
-                events = sched.update(out, list(result.seq_ids), list(result.token_ids), list(result.logprobs))
+                events = sched.update(
+                    out,
+                    list(result.seq_ids),
+                    list(result.token_ids),
+                    list(result.logprobs),
+                    tops=_tops(result) if result.top_counts else None,
+                )
                 self._emit(events, out)
                 # A step's share of the wall clock: from its launch, or from the
                 # previous result when it was sent ahead.
@@ -393,7 +411,7 @@ class Engine:
             elif handle.last_token_time is not None:
                 m.inter_token_latency.observe(now - handle.last_token_time)
             handle.last_token_time = now
-            delta = Delta(token_ids=ev.token_ids, text=text, logprobs=ev.logprobs, finish=req.finish)
+            delta = Delta(token_ids=ev.token_ids, text=text, logprobs=ev.logprobs, top=ev.top, finish=req.finish)
             if req.finish is not None:
                 self._finish_handle(req, delta)
             else:

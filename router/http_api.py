@@ -97,8 +97,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": (),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": (),
@@ -180,6 +178,8 @@ class _Common(_Body):
 
 class CompletionBody(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # The legacy API's logprobs: how many alternatives per token (0: only the sampled one's).
+    logprobs: int | None = None
 
 
 class TextPart(_Body):
@@ -195,6 +195,8 @@ class MessageBody(_Body):
 class ChatBody(_Common):
     messages: list[MessageBody]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class TokenizeBody(_Body):
@@ -375,8 +377,25 @@ class OpenAIApi:
             ),
             # vLLM's priority: lower is handled earlier; cbserve's: larger is more urgent.
             priority=-body.priority,
+            logprobs=self._logprobs(body)[0],
+            top_logprobs=self._logprobs(body)[1],
             cache_salt=body.cache_salt or "",
         )
+
+    def _logprobs(self, body: _Common) -> tuple[bool, int]:
+        """(logprobs asked, alternatives per token) from the completions API's
+        `logprobs: k` or the chat API's `logprobs: true` + `top_logprobs: k`."""
+        if isinstance(body, ChatBody):
+            k = body.top_logprobs or 0
+            if k and not body.logprobs:
+                raise self._refused(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+            name, asked = "top_logprobs", body.logprobs
+        else:
+            k = body.logprobs or 0
+            name, asked = "logprobs", body.logprobs is not None
+        if not 0 <= k <= 20:
+            raise self._refused(400, f"{name}: must be in [0, 20], got {k}", name)
+        return asked, k
 
     def _structured(self, body: _Common) -> gpb.StructuredOutput | None:
         """The one structured-output constraint of a body, from whichever of
@@ -567,17 +586,18 @@ class OpenAIApi:
         choices = []
         for i, d in enumerate(results):
             finish = _FINISH.get(d.finish)
+            logprobs, _ = self._logprobs_object(d, chat, 0)
             if chat:
                 choices.append(
                     {
                         "index": i,
                         "message": {"role": "assistant", "content": d.text},
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": finish,
                     }
                 )
             else:
-                choices.append({"index": i, "text": d.text, "logprobs": None, "finish_reason": finish})
+                choices.append({"index": i, "text": d.text, "logprobs": logprobs, "finish_reason": finish})
         obj = {
             "id": cid,
             "object": "chat.completion" if chat else "text_completion",
@@ -587,6 +607,39 @@ class OpenAIApi:
             "usage": _usage(handles),
         }
         return JSONResponse(obj, headers=headers)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs_object(self, d: Delta, chat: bool, offset: int) -> tuple[dict | None, int]:
+        """OpenAI's logprobs object for the tokens of `d` (None when the
+        request asked for none), and the completions API's text offset after
+        them. Token texts are each token decoded alone."""
+        if not d.logprobs:
+            return None, offset
+        texts = [self._token_text(t) for t in d.token_ids]
+        if chat:
+            content = []
+            for i, (text, lp) in enumerate(zip(texts, d.logprobs)):
+                ids, lps = d.top[i] if i < len(d.top) else ([], [])
+                alts = [self._token_text(a) for a in ids]
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": lp,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {"token": a, "logprob": b, "bytes": list(a.encode())} for a, b in zip(alts, lps)
+                        ],
+                    }
+                )
+            return {"content": content}, offset
+        text_offset = []
+        for text in texts:
+            text_offset.append(offset)
+            offset += len(text)
+        top = [dict(zip((self._token_text(a) for a in ids), lps)) for ids, lps in d.top] if d.top else None
+        return {"tokens": texts, "token_logprobs": d.logprobs, "top_logprobs": top, "text_offset": text_offset}, offset
 
     async def _collect(self, handles: list[RequestHandle]) -> list[Delta]:
         acc = [Delta() for _ in handles]
@@ -607,13 +660,18 @@ class OpenAIApi:
                 chunk["usage"] = usage if usage is not None or not continuous_usage else _usage(handles)
             return b"data: " + json.dumps(chunk, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
-        def choice(i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+        offsets = [0] * len(handles)  # completions' text_offset, per choice
+
+        def choice(i: int, text: str | None, finish: str | None, role: bool = False, d: Delta | None = None) -> dict:
+            logprobs = None
+            if d is not None:
+                logprobs, offsets[i] = self._logprobs_object(d, chat, offsets[i])
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
-                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
         try:
             if chat:
@@ -625,7 +683,7 @@ class OpenAIApi:
                     yield b"data: " + json.dumps(body).encode("utf-8") + b"\n\n"
                     break
                 if d.text or d.token_ids:  # tokens whose text is still incomplete UTF-8 too
-                    yield event([choice(i, d.text, None)])
+                    yield event([choice(i, d.text, None, d=d)])
                 if d.finish is not None:
                     yield event([choice(i, None, _FINISH.get(d.finish))])
             else:

@@ -25,6 +25,7 @@ def _sampling(req: Request, eos_token_ids: tuple[int, ...]) -> pb.SeqSampling:
         logit_bias_values=[b for _, b in s.logit_bias],
         min_tokens=req.stopping.min_tokens,
         suppress_ids=_suppressed(req, eos_token_ids) if req.stopping.min_tokens else [],
+        top_logprobs=s.top_logprobs,
     )
 
 

@@ -38,6 +38,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    top_logprobs: int = 0  # with logprobs: the k most likely alternatives too
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class TokenEvent:
     req: Request
     token_ids: list[int]
     logprobs: list[float]
+    top: list = field(default_factory=list)  # (ids, logprobs) per token, when asked
 
 
 class Scheduler:
@@ -351,6 +352,7 @@ class Scheduler:
         token_ids: list[int],
         logprobs: list[float],
         now: float | None = None,
+        tops: list | None = None,
     ) -> list[TokenEvent]:
         """Applies a step's result; returns the requests that got a token.
         Token-level stops (EOS, max_new_tokens, context) finish requests here."""
@@ -374,7 +376,10 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            events.append(TokenEvent(req, [tok], [lp] if lp is not None and req.sampling.logprobs else []))
+            event = TokenEvent(req, [tok], [lp] if lp is not None and req.sampling.logprobs else [])
+            if tops and tops[i] is not None and req.sampling.top_logprobs:
+                event.top = [tops[i]]
+            events.append(event)
             if req.matcher is not None:
                 req.matcher.consume_token(tok)
                 if req.matcher.is_stopped() or req.matcher.is_error():  # the grammar is complete

@@ -44,6 +44,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
     @staticmethod
     def _response(rid: str, d: Delta, usage: gpb.Usage | None = None) -> gpb.GenerateResponse:
         resp = gpb.GenerateResponse(request_id=rid, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs)
+        for ids, lps in d.top:
+            resp.top_logprobs.add(token_ids=ids, logprobs=lps)
         if d.finish is not None:
             resp.finish_reason = d.finish.value
         if usage is not None:

@@ -24,6 +24,7 @@ MAX_PRESENCE_FREQUENCY_PENALTY = 2.0  # OpenAI's range, [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(Exception):
@@ -197,7 +198,11 @@ def build_request(
             f"than the whole pool holds ({max_tokens_in_pool} tokens)"
         )
     expected = msg.expected_output_tokens if msg.HasField("expected_output_tokens") else None
-    sampling = Sampling(**{**sampling.__dict__, "logprobs": msg.logprobs})
+    if msg.top_logprobs > MAX_TOP_LOGPROBS:
+        raise _invalid(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
+    sampling = Sampling(
+        **{**sampling.__dict__, "logprobs": msg.logprobs or msg.top_logprobs > 0, "top_logprobs": msg.top_logprobs}
+    )
     matcher = _matcher(msg, structured) if msg.HasField("structured") else None
     return Request(
         matcher=matcher,

@@ -17,6 +17,7 @@ import grpc
 import httpx
 import openai
 import pytest
+import torch
 
 from cbserve.v1 import generation_pb2 as gpb
 from tests.conftest import start_server
@@ -234,8 +235,6 @@ def _error(resp, status, param=None):
     [
         ("n", 2),
         ("n", 0),
-        ("logprobs", 1),
-        ("logprobs", 0),  # completions' logprobs=0 still asks for the sampled token's logprob
         ("tools", [{"type": "function"}]),
         ("best_of", 3),
         ("echo", True),
@@ -293,6 +292,51 @@ def test_presence_and_frequency_penalties_change_repetitive_greedy_output(api):
     assert len(set(pen.token_ids)) > len(set(free))
     choice = _http_choice(server, model, [5, 6, 7], presence_penalty=2.0, frequency_penalty=2.0, max_tokens=16)
     assert choice["text"] == pen.text
+
+
+def test_top_logprobs_are_the_raw_models_best_tokens_through_both_apis(api):
+    from executor import model_loader, model_source
+
+    server, client, model = api
+    prompt = [5, 6, 7, 8]
+    req = gen_request(prompt, max_new=6, ignore_eos=True, logprobs=True, top_logprobs=3)
+    with server.channel() as ch:
+        r = stub(ch).Complete(req, timeout=60)
+    assert len(r.top_logprobs) == len(r.token_ids) == 6
+    # The reference: the fp32 model's own log-softmax, position by position.
+    ref = model_loader.load_model(model_source.resolve("tiny"), torch.float32)
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + list(r.token_ids)])).logits[0, len(prompt) - 1 : -1]
+    want = logits.log_softmax(-1).topk(3)
+    for i, top in enumerate(r.top_logprobs):
+        assert list(top.token_ids) == want.indices[i].tolist()
+        assert list(top.logprobs) == pytest.approx(want.values[i].tolist(), abs=1e-4)
+        assert top.token_ids[0] == r.token_ids[i] and top.logprobs[0] == pytest.approx(r.logprobs[i], abs=1e-6)
+    with server.channel() as ch, pytest.raises(grpc.RpcError) as err:
+        stub(ch).Complete(gen_request(prompt, max_new=2, logprobs=True, top_logprobs=21), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in err.value.details()
+
+    c = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    lp = c.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(list(r.logprobs), abs=1e-5) and len(lp.top_logprobs[0]) == 2
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == c.choices[0].text
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, stream=True
+    )
+    streamed = [t for ch in stream if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert len(streamed) == 5 and all(t.top_logprobs == [] for t in streamed)
+    bad = _post(
+        server, "/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    )
+    _error(bad, 400, "top_logprobs")
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63\x62serve/v1/executor.proto\x12\ncbserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xa4\x02\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nnum_blocks\x18\t \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\n \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x13\n\x0binstance_id\x18\r \x01(\x04\"\xaf\x02\n\x0bSeqSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x16\n\x0elogit_bias_ids\x18\x0b \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0c \x03(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x14\n\x0csuppress_ids\x18\x0e \x03(\r\"~\n\x06NewSeq\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.cbserve.v1.SeqSampling\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\"\x9f\x01\n\x0cScheduledSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\x05\x12\x1f\n\x03new\x18\x04 \x01(\x0b\x32\x12.cbserve.v1.NewSeq\x12\x1b\n\x13replace_block_table\x18\x05 \x01(\x08\x12\x16\n\x0e\x61llowed_tokens\x18\x06 \x01(\x0c\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xa6\x01\n\x04Plan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12&\n\x04seqs\x18\x02 \x03(\x0b\x32\x18.cbserve.v1.ScheduledSeq\x12\x14\n\x0c\x66ree_seq_ids\x18\x03 \x03(\x04\x12\'\n\x08swap_out\x18\x04 \x03(\x0b\x32\x15.cbserve.v1.BlockCopy\x12&\n\x07swap_in\x18\x05 \x03(\x0b\x32\x15.cbserve.v1.BlockCopy\"\x82\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x17\n\x0f\x66orward_seconds\x18\x05 \x01(\x02\x12\x14\n\x0cstep_seconds\x18\x06 \x01(\x02\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse2\xfd\x01\n\x08\x45xecutor\x12\x45\n\x08\x44\x65scribe\x12\x1b.cbserve.v1.DescribeRequest\x1a\x1c.cbserve.v1.DescribeResponse\x12\x30\n\x04Step\x12\x10.cbserve.v1.Plan\x1a\x16.cbserve.v1.StepResult\x12:\n\nStepStream\x12\x10.cbserve.v1.Plan\x1a\x16.cbserve.v1.StepResult(\x01\x30\x01\x12<\n\x05Reset\x12\x18.cbserve.v1.ResetRequest\x1a\x19.cbserve.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63\x62serve/v1/executor.proto\x12\ncbserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xa4\x02\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nnum_blocks\x18\t \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\n \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x13\n\x0binstance_id\x18\r \x01(\x04\"\xc5\x02\n\x0bSeqSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x16\n\x0elogit_bias_ids\x18\x0b \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0c \x03(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x14\n\x0csuppress_ids\x18\x0e \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\"~\n\x06NewSeq\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.cbserve.v1.SeqSampling\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\"\x9f\x01\n\x0cScheduledSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\x05\x12\x1f\n\x03new\x18\x04 \x01(\x0b\x32\x12.cbserve.v1.NewSeq\x12\x1b\n\x13replace_block_table\x18\x05 \x01(\x08\x12\x16\n\x0e\x61llowed_tokens\x18\x06 \x01(\x0c\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xa6\x01\n\x04Plan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12&\n\x04seqs\x18\x02 \x03(\x0b\x32\x18.cbserve.v1.ScheduledSeq\x12\x14\n\x0c\x66ree_seq_ids\x18\x03 \x03(\x04\x12\'\n\x08swap_out\x18\x04 \x03(\x0b\x32\x15.cbserve.v1.BlockCopy\x12&\n\x07swap_in\x18\x05 \x03(\x0b\x32\x15.cbserve.v1.BlockCopy\"\xc3\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x17\n\x0f\x66orward_seconds\x18\x05 \x01(\x02\x12\x14\n\x0cstep_seconds\x18\x06 \x01(\x02\x12\x12\n\ntop_counts\x18\x07 \x03(\r\x12\x15\n\rtop_token_ids\x18\x08 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse2\xfd\x01\n\x08\x45xecutor\x12\x45\n\x08\x44\x65scribe\x12\x1b.cbserve.v1.DescribeRequest\x1a\x1c.cbserve.v1.DescribeResponse\x12\x30\n\x04Step\x12\x10.cbserve.v1.Plan\x1a\x16.cbserve.v1.StepResult\x12:\n\nStepStream\x12\x10.cbserve.v1.Plan\x1a\x16.cbserve.v1.StepResult(\x01\x30\x01\x12<\n\x05Reset\x12\x18.cbserve.v1.ResetRequest\x1a\x19.cbserve.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBERESPONSE']._serialized_start=61
   _globals['_DESCRIBERESPONSE']._serialized_end=353
   _globals['_SEQSAMPLING']._serialized_start=356
-  _globals['_SEQSAMPLING']._serialized_end=659
-  _globals['_NEWSEQ']._serialized_start=661
-  _globals['_NEWSEQ']._serialized_end=787
-  _globals['_SCHEDULEDSEQ']._serialized_start=790
-  _globals['_SCHEDULEDSEQ']._serialized_end=949
-  _globals['_BLOCKCOPY']._serialized_start=951
-  _globals['_BLOCKCOPY']._serialized_end=988
-  _globals['_PLAN']._serialized_start=991
-  _globals['_PLAN']._serialized_end=1157
-  _globals['_STEPRESULT']._serialized_start=1160
-  _globals['_STEPRESULT']._serialized_end=1290
-  _globals['_RESETREQUEST']._serialized_start=1292
-  _globals['_RESETREQUEST']._serialized_end=1306
-  _globals['_RESETRESPONSE']._serialized_start=1308
-  _globals['_RESETRESPONSE']._serialized_end=1323
-  _globals['_EXECUTOR']._serialized_start=1326
-  _globals['_EXECUTOR']._serialized_end=1579
+  _globals['_SEQSAMPLING']._serialized_end=681
+  _globals['_NEWSEQ']._serialized_start=683
+  _globals['_NEWSEQ']._serialized_end=809
+  _globals['_SCHEDULEDSEQ']._serialized_start=812
+  _globals['_SCHEDULEDSEQ']._serialized_end=971
+  _globals['_BLOCKCOPY']._serialized_start=973
+  _globals['_BLOCKCOPY']._serialized_end=1010
+  _globals['_PLAN']._serialized_start=1013
+  _globals['_PLAN']._serialized_end=1179
+  _globals['_STEPRESULT']._serialized_start=1182
+  _globals['_STEPRESULT']._serialized_end=1377
+  _globals['_RESETREQUEST']._serialized_start=1379
+  _globals['_RESETREQUEST']._serialized_end=1393
+  _globals['_RESETRESPONSE']._serialized_start=1395
+  _globals['_RESETRESPONSE']._serialized_end=1410
+  _globals['_EXECUTOR']._serialized_start=1413
+  _globals['_EXECUTOR']._serialized_end=1666
 # @@protoc_insertion_point(module_scope)
