@@ -16,7 +16,9 @@ from router.engine import Engine, RequestHandle
 from router.validation import RequestError, build_request
 
 
-async def admit(engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, timeout_s: float | None) -> RequestHandle:
+async def admit(
+    engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, timeout_s: float | None, tenant: str = "default"
+) -> RequestHandle:
     """Validates `msg` and submits it; raises RequestError before queueing
     anything when it cannot be served. Counts every refusal by status.
     Validation and tokenization (the chat template included) run on the
@@ -50,6 +52,10 @@ async def admit(engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, tim
         else:
             req = await build
         req.nbytes = nbytes
+        req.tenant = tenant
+        # The tenant goes into every block hash under the request's own salt:
+        # tenants never share prefix-cache blocks.
+        req.cache_salt = f"{tenant}\0{req.cache_salt}"
         return _enqueue(engine, cfg, req)
     except RequestError as exc:
         engine.metrics.request_errors.labels(status=exc.code.name).inc()

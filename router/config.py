@@ -63,6 +63,12 @@ class ServerConfig:
     # Bearer-token auth: the token is read from this file, or from this env var.
     auth_token_file: str = ""
     auth_token_env: str = ""
+    # Several clients apart: one "TENANT TOKEN" pair per line. A tenant's
+    # requests only share prefix-cache blocks with its own; metrics and logs
+    # name it. Exclusive with auth_token_file / auth_token_env.
+    auth_tokens_file: str = ""
+    # gRPC server reflection (grpcurl list) on the public port.
+    enable_reflection: bool = True
 
 
 @dataclass
@@ -224,7 +230,9 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         raise ConfigError("server.tls_cert_file and server.tls_key_file must be set together")
     if srv.tls_client_ca_file and not srv.tls_cert_file:
         raise ConfigError("server.tls_client_ca_file (mTLS) needs server.tls_cert_file and tls_key_file")
-    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file"):
+    if srv.auth_tokens_file and (srv.auth_token_file or srv.auth_token_env):
+        raise ConfigError("server.auth_tokens_file excludes server.auth_token_file and server.auth_token_env")
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file", "auth_tokens_file"):
         path = getattr(srv, name)
         if path and not os.path.isfile(path):
             raise ConfigError(f"server.{name}: file {path!r} does not exist")

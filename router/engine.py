@@ -14,8 +14,9 @@ from typing import Callable
 import grpc
 import structlog
 
+from router.auth import Authenticator
 from router.block_manager import BlockManager
-from router.config import RouterConfig
+from router.config import ConfigError, RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.executor_client import ExecutorClient, ExecutorUnavailable, PlanRejected
 from router.metrics import Metrics
@@ -127,6 +128,12 @@ class Engine:
         self.facts: ExecutorFacts | None = None
         self.scheduler: Scheduler | None = None
         self.handles: dict[str, RequestHandle] = {}
+        try:  # who may call, and as which tenant (server.auth_*)
+            self.auth = Authenticator(
+                cfg.server.auth_token_file, cfg.server.auth_token_env, cfg.server.auth_tokens_file
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"server auth: {exc}") from exc
         self.ready = asyncio.Event()  # executor connected and sized
         self.accepting = True
         # Tokenization, chat templates and validation of large inputs: never
@@ -444,6 +451,7 @@ class Engine:
             status = "CANCELLED" if delta.finish == Finish.CANCELLED else "OK"
         reason = (delta.finish or Finish.CANCELLED).name
         m.requests.labels(finish_reason=reason, status=status).inc()
+        m.tenant_requests.labels(tenant=req.tenant, status=status).inc()
         if handle.span is not None:
             RequestTracer.finish(handle.span, req, status, reason)
         m.e2e_latency.observe(now - req.arrival_time)
@@ -452,6 +460,7 @@ class Engine:
         _LOGGER.info(
             "request finished",
             request_id=req.request_id,
+            tenant=req.tenant,
             finish_reason=reason,
             status=status,
             prompt_tokens=len(req.prompt_token_ids),

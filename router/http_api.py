@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import re
 import socket
@@ -33,7 +32,6 @@ from starlette.routing import Route
 from cbserve.v1 import generation_pb2 as gpb
 from router import __version__
 from router.admission import admit, refuse
-from router.auth import load_token
 from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle
 from router.request import Finish
@@ -223,8 +221,6 @@ class OpenAIApi:
     def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
         self.engine = engine
         self.cfg = cfg
-        token = load_token(cfg.server.auth_token_file, cfg.server.auth_token_env)
-        self._expected = f"Bearer {token}".encode("utf-8") if token else None
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -253,12 +249,13 @@ class OpenAIApi:
         f = self.engine.facts
         return self.cfg.server.served_model_name or (f.model if f is not None else "")
 
-    def _authorize(self, request: HttpRequest) -> None:
-        if self._expected is None:
-            return
-        given = request.headers.get("authorization", "").encode("utf-8")
-        if not hmac.compare_digest(given, self._expected):
+    def _authorize(self, request: HttpRequest) -> str:
+        """The caller's tenant; 401 for a missing or unknown token."""
+        tenant = self.engine.auth.tenant(request.headers.get("authorization"))
+        if tenant is None:
             raise self._refused(401, "missing or wrong bearer token", code="invalid_api_key")
+        request.state.tenant = tenant
+        return tenant
 
     async def _json(self, request: HttpRequest, model: type[BaseModel]) -> Any:
         """The body parsed into `model`, read no further than the size limit."""
@@ -452,11 +449,13 @@ class OpenAIApi:
             raise self._refused(400, msg, found[1][0])
         return found[0][1] if found else None
 
-    async def _admit_all(self, msgs: list[gpb.GenerateRequest], timeout: float | None) -> list[RequestHandle]:
+    async def _admit_all(
+        self, msgs: list[gpb.GenerateRequest], timeout: float | None, tenant: str
+    ) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         try:
             for msg in msgs:
-                handles.append(await admit(self.engine, self.cfg, msg, timeout))
+                handles.append(await admit(self.engine, self.cfg, msg, timeout, tenant))
         except RequestError as exc:
             for h in handles:  # all prompts of a request run, or none
                 self.engine.abort(h.req)
@@ -475,7 +474,7 @@ class OpenAIApi:
         self._check_model(body.model)
         self._check_supported(body)
         rid = self._request_id(request)
-        structlog.contextvars.bind_contextvars(request_id=rid)
+        structlog.contextvars.bind_contextvars(request_id=rid, tenant=request.state.tenant)
         return body, rid
 
     async def completions(self, request: HttpRequest) -> Response:
@@ -495,7 +494,7 @@ class OpenAIApi:
                 else:
                     msg.token_ids.ids.extend(p)
             msgs.append(msg)
-        handles = await self._admit_all(msgs, self._timeout(request))
+        handles = await self._admit_all(msgs, self._timeout(request), request.state.tenant)
         return await self._respond(request, body, handles, rid, chat=False)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
@@ -503,7 +502,7 @@ class OpenAIApi:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         msg = self._base_msg(body, max_tokens, rid)
         msg.messages.CopyFrom(_chat_messages(body.messages))
-        handles = await self._admit_all([msg], self._timeout(request))
+        handles = await self._admit_all([msg], self._timeout(request), request.state.tenant)
         return await self._respond(request, body, handles, rid, chat=True)
 
     async def models(self, request: HttpRequest) -> Response:

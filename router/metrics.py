@@ -69,6 +69,12 @@ class Metrics:
         self.requests = Counter(
             "cbserve_requests", "Finished requests by outcome", ["finish_reason", "status"], registry=r
         )
+        self.tenant_requests = Counter(
+            "cbserve_tenant_requests",
+            "Finished requests by tenant (server.auth_tokens_file; 'default' otherwise) and status",
+            ["tenant", "status"],
+            registry=r,
+        )
         self.request_errors = Counter(
             "cbserve_request_errors", "Requests refused before admission, by gRPC status", ["status"], registry=r
         )

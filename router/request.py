@@ -63,6 +63,7 @@ class Request:
     deadline: float | None = None  # monotonic seconds; None = no deadline
     nbytes: int = 0  # serialized size of the request it came from (limits.max_queued_bytes)
     matcher: object = None  # llguidance matcher of a structured-output request (router/structured.py)
+    tenant: str = "default"  # who sent it (server.auth_tokens_file)
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
 
     status: Status = Status.WAITING

@@ -15,7 +15,7 @@ from cbserve.v1 import generation_pb2 as gpb
 from cbserve.v1 import generation_pb2_grpc as gpb_grpc
 from router import __version__
 from router.admission import admit, refuse
-from router.auth import BearerTokenInterceptor, load_token
+from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle
 from router.validation import RequestError, prompt_ids
@@ -37,7 +37,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
 
     async def _admit(self, request: gpb.GenerateRequest, context) -> RequestHandle:
         try:
-            return await admit(self.engine, self.cfg, request, context.time_remaining())
+            tenant = self.engine.auth.tenant_of_metadata(context.invocation_metadata())
+            return await admit(self.engine, self.cfg, request, context.time_remaining(), tenant)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
@@ -65,7 +66,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
         handle = await self._admit(request, context)
         req = handle.req
         # Every log line of this RPC's task carries the request id.
-        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        structlog.contextvars.bind_contextvars(request_id=req.request_id, tenant=req.tenant)
         _LOGGER.debug("generate started", prompt_tokens=len(req.prompt_token_ids))
         try:
             while True:
@@ -84,7 +85,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
     async def Complete(self, request, context):
         handle = await self._admit(request, context)
         req = handle.req
-        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        structlog.contextvars.bind_contextvars(request_id=req.request_id, tenant=req.tenant)
         _LOGGER.debug("complete started", prompt_tokens=len(req.prompt_token_ids))
         acc = Delta()
         try:
@@ -173,9 +174,9 @@ class PublicServer:
         self.engine = engine
         self.cfg = cfg
         s = cfg.server
-        token = load_token(s.auth_token_file, s.auth_token_env)
+        auth = engine.auth
         denied = engine.metrics.request_errors.labels(status=grpc.StatusCode.UNAUTHENTICATED.name)
-        interceptors = [BearerTokenInterceptor(token, on_denied=denied.inc)] if token else []
+        interceptors = [BearerTokenInterceptor(auth, on_denied=denied.inc)] if auth.enabled else []
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -189,10 +190,11 @@ class PublicServer:
         gpb_grpc.add_GenerationServicer_to_server(GenerationService(engine, cfg), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        if s.enable_reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                self.server,
+            )
         addr = f"{s.host}:{s.port}"
         creds = _credentials(cfg)
         self.port = self.server.add_secure_port(addr, creds) if creds else self.server.add_insecure_port(addr)

@@ -255,3 +255,72 @@ def test_colocated_executor_socket_is_private():
         assert mode & 0o077 == 0, oct(mode)
     finally:
         server.stop()
+
+
+def test_tenants_never_share_prefix_cache_blocks_and_are_counted_apart(tmp_path):
+    import httpx
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# tenant token\nteam-a tok-a\nteam-b tok-b\n")
+    server = start_server("tiny", config={"server": {"auth_tokens_file": str(tokens), "enable_reflection": False}})
+    prompt = list(range(5, 45))  # two full 16-token blocks and a partial one
+
+    def cached(token):
+        with server.channel() as ch:
+            out = stub(ch).Complete(gen_request(prompt, max_new=2), metadata=[("authorization", f"Bearer {token}")])
+        return out.usage.cached_prompt_tokens
+
+    try:
+        assert cached("tok-a") == 0
+        assert cached("tok-a") == 32  # its own blocks
+        assert cached("tok-b") == 0  # the same prompt, another tenant: no hit
+        assert cached("tok-b") == 32
+        with server.channel() as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                stub(ch).Complete(gen_request(prompt, max_new=2), metadata=[("authorization", "Bearer tok-c")])
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert _check_health(ch) == health_pb2.HealthCheckResponse.SERVING  # health stays open
+            with pytest.raises(grpc.RpcError) as err:  # reflection turned off
+                list(
+                    reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                    )
+                )
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        base = f"http://127.0.0.1:{server.http_port}"
+        model = httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer tok-b"}).json()["data"][0]["id"]
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": 2},
+            headers={"authorization": "Bearer tok-b"},
+        )
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        m = server.metrics()
+        assert m["cbserve_tenant_requests_total{status=OK,tenant=team-a}"] == 2
+        assert m["cbserve_tenant_requests_total{status=OK,tenant=team-b}"] == 3
+        assert '"tenant": "team-b"' in server.log() or "tenant=team-b" in server.log()
+    finally:
+        server.stop()
+
+
+def test_a_bad_tokens_file_stops_serve_with_the_reason(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("just-one-field\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"server": {"auth_tokens_file": str(tokens)}}))
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--config", str(cfg), "--port", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "expected 'TENANT TOKEN'" in out.stderr, out.stderr[-2000:]
