@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tls-cert", default="", help="TLS certificate for a TCP listener")
     p.add_argument("--tls-key", default="")
+    p.add_argument("--tls-client-ca", default="", help="accept only clients with a certificate this CA signed (mTLS)")
+    p.add_argument("--allow-insecure-tcp", action="store_true", help="listen on TCP without TLS (not recommended)")
     return p.parse_args(argv)
 
 
@@ -119,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         return _refused(OSError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}"))
     service = ExecutorService(runner, source.name, eos_ids, metrics)
     try:
-        server, health = build_server(service, args.listen, args.tls_cert, args.tls_key)
+        server, health = build_server(
+            service, args.listen, args.tls_cert, args.tls_key, args.tls_client_ca, args.allow_insecure_tcp
+        )
+    except ValueError as exc:
+        return _refused(exc)
     except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
         return _refused(OSError(f"cannot listen on {args.listen}: {exc}"))
     # What exists now lives as long as the process (modules, parameters,

@@ -265,8 +265,22 @@ def _unix_path(address: str) -> str | None:
 
 
 def build_server(
-    service: ExecutorService, address: str, tls_cert: str = "", tls_key: str = ""
+    service: ExecutorService,
+    address: str,
+    tls_cert: str = "",
+    tls_key: str = "",
+    tls_client_ca: str = "",
+    allow_insecure_tcp: bool = False,
 ) -> tuple[grpc.Server, health.HealthServicer]:
+    """The executor's gRPC server on a Unix socket (created owner-only) or a
+    TCP address (TLS required unless allow_insecure_tcp; with
+    tls_client_ca, only clients with a certificate it signed)."""
+    path = _unix_path(address)
+    if not path and not tls_cert and not allow_insecure_tcp:
+        raise ValueError(
+            f"--listen {address}: TCP without TLS lets anyone who reaches it drive the executor; "
+            "give --tls-cert/--tls-key, or --allow-insecure-tcp"
+        )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4),
         options=[
@@ -277,22 +291,38 @@ def build_server(
     pb_grpc.add_ExecutorServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    path = _unix_path(address)
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)
     if tls_cert and not path:
         with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
-            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            pair = (k.read(), c.read())
+        ca = None
+        if tls_client_ca:
+            with open(tls_client_ca, "rb") as fh:
+                ca = fh.read()
+        creds = grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
         port = server.add_secure_port(address, creds)
     else:
-        port = server.add_insecure_port(address)
+        # A socket is created with its final mode (owner only: the pod's
+        # containers share a uid), never briefly open to others.
+        old = os.umask(0o177) if path else None
+        try:
+            port = server.add_insecure_port(address)
+        finally:
+            if old is not None:
+                os.umask(old)
     if not path and port == 0:
         raise OSError(f"cannot listen on {address}")
-    server.start()
+    old = os.umask(0o177) if path else None
+    try:
+        server.start()
+    finally:
+        if old is not None:
+            os.umask(old)
     if path:
-        os.chmod(path, 0o600)  # only this user (the pod's containers share a uid)
+        os.chmod(path, 0o600)
     for name in ("", "cbserve.v1.Executor"):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer

@@ -88,6 +88,29 @@ class ExecutorConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
+    # mTLS: the router's client certificate and key, and the CA the executor
+    # checks them against (it then accepts no other client).
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
+    tls_client_ca_file: str = ""
+    # A TCP address without TLS is refused unless this is true: the executor
+    # runs any plan it is sent.
+    allow_insecure_tcp: bool = False
+
+
+def check_executor_transport(ex: "ExecutorConfig") -> None:
+    """The executor link's rules, checked after command-line overrides."""
+    if ex.address.startswith("unix://"):
+        return
+    if not ex.tls_ca_file and not ex.allow_insecure_tcp:
+        raise ConfigError(
+            f"executor.address {ex.address!r} is TCP without TLS: anyone who reaches it can drive the executor; "
+            "set executor.tls_cert_file / tls_key_file / tls_ca_file, or executor.allow_insecure_tcp: true"
+        )
+    if bool(ex.tls_client_cert_file) != bool(ex.tls_client_key_file):
+        raise ConfigError("executor.tls_client_cert_file and executor.tls_client_key_file must be set together")
+    if ex.tls_client_ca_file and not ex.tls_client_cert_file:
+        raise ConfigError("executor.tls_client_ca_file (mTLS) needs executor.tls_client_cert_file and key")
 
 
 @dataclass
@@ -242,7 +265,15 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         raise ConfigError(f"executor.address: {ex.address!r} is neither unix:///path nor host:port")
     if bool(ex.tls_cert_file) != bool(ex.tls_key_file):
         raise ConfigError("executor.tls_cert_file and executor.tls_key_file must be set together")
-    for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+    check_executor_transport(ex)
+    for name in (
+        "tls_cert_file",
+        "tls_key_file",
+        "tls_ca_file",
+        "tls_client_cert_file",
+        "tls_client_key_file",
+        "tls_client_ca_file",
+    ):
         path = getattr(ex, name)
         if path and not os.path.isfile(path):
             raise ConfigError(f"executor.{name}: file {path!r} does not exist")

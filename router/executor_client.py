@@ -49,7 +49,12 @@ class ExecutorClient:
         ]
         if self.cfg.tls_ca_file and not self.cfg.address.startswith("unix:"):
             with open(self.cfg.tls_ca_file, "rb") as fh:
-                creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
+                ca = fh.read()
+            key = cert = None
+            if self.cfg.tls_client_cert_file:  # mTLS: the router proves who it is
+                with open(self.cfg.tls_client_key_file, "rb") as k, open(self.cfg.tls_client_cert_file, "rb") as c:
+                    key, cert = k.read(), c.read()
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
             self._channel = grpc.aio.secure_channel(self.cfg.address, creds, options=options)
         else:
             self._channel = grpc.aio.insecure_channel(self.cfg.address, options=options)

@@ -11,7 +11,7 @@ from typing import Awaitable, Callable
 import structlog
 
 from common.logging_setup import configure_logging
-from router.config import ConfigError, RouterConfig, load_config
+from router.config import ConfigError, RouterConfig, check_executor_transport, load_config
 from router.engine import Engine
 from router.http_api import HttpServer
 from router.metrics import Metrics
@@ -111,3 +111,4 @@ def apply_overrides(cfg: RouterConfig, args) -> None:
         cfg.server.host = args.host
     if getattr(args, "executor_address", None):
         cfg.executor.address = args.executor_address
+        check_executor_transport(cfg.executor)

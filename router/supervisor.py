@@ -8,7 +8,9 @@ way again, so `cbserve serve` stops with status 2."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -101,8 +103,11 @@ async def _serve(args) -> int:
     cfg = load_config(args.config)
     apply_overrides(cfg, args)
     if not args.executor_address:
-        sock = os.path.join(tempfile.gettempdir(), f"cbserve-{os.getpid()}", "executor.sock")
-        cfg.executor.address = f"unix://{sock}"
+        # A fresh directory only this user can enter (mkdtemp: mode 0700, a
+        # name nobody can create ahead of us), removed when serve exits.
+        sock_dir = tempfile.mkdtemp(prefix="cbserve-")
+        atexit.register(shutil.rmtree, sock_dir, True)
+        cfg.executor.address = f"unix://{os.path.join(sock_dir, 'executor.sock')}"
     exe_argv = [
         "--model",
         args.model,
@@ -128,8 +133,14 @@ async def _serve(args) -> int:
     ]
     if args.config:
         exe_argv += ["--config", args.config]
-    if cfg.executor.tls_cert_file and not cfg.executor.address.startswith("unix://"):
-        exe_argv += ["--tls-cert", cfg.executor.tls_cert_file, "--tls-key", cfg.executor.tls_key_file]
+    ex = cfg.executor
+    if not ex.address.startswith("unix://"):
+        if ex.tls_cert_file:
+            exe_argv += ["--tls-cert", ex.tls_cert_file, "--tls-key", ex.tls_key_file]
+        if ex.tls_client_ca_file:
+            exe_argv += ["--tls-client-ca", ex.tls_client_ca_file]
+        if ex.allow_insecure_tcp:
+            exe_argv += ["--allow-insecure-tcp"]
     stop = asyncio.Event()
     executor = ExecutorProcess(exe_argv, on_refused=stop)
     await executor.start()

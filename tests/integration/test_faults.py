@@ -214,13 +214,35 @@ def test_a_checkpoint_without_a_tokenizer_stops_serve_with_the_reason(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_an_executor_address_in_use_is_refused_with_the_reason():
+def test_an_executor_address_in_use_is_refused_with_the_reason(tmp_path):
+    cfg = tmp_path / "tcp.yaml"
+    cfg.write_text(yaml.safe_dump({"executor": {"allow_insecure_tcp": True}}))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        log = _serve_refused("--device", "cpu", "--executor-address", f"127.0.0.1:{port}")
+        log = _serve_refused("--device", "cpu", "--config", str(cfg), "--executor-address", f"127.0.0.1:{port}")
     assert f"cannot listen on 127.0.0.1:{port}" in log
+
+
+def test_a_plaintext_tcp_executor_is_refused_unless_allowed():
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--executor-address", "127.0.0.1:1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "TCP without TLS" in out.stderr and "allow_insecure_tcp" in out.stderr
+    # The executor alone refuses it too.
+    out = subprocess.run(
+        [sys.executable, "-m", "executor", "--model", "tiny", "--device", "cpu", "--listen", "127.0.0.1:1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--allow-insecure-tcp" in out.stdout + out.stderr
 
 
 def test_an_executor_that_dies_before_it_is_ready_is_not_restarted():

@@ -243,6 +243,36 @@ def test_router_to_executor_over_tcp_with_tls(certs):
         server.stop()
 
 
+def test_router_to_executor_over_mtls_admits_only_the_router(certs):
+    port = free_port()
+    server = start_server(
+        "tiny",
+        config={
+            "executor": {
+                "tls_cert_file": certs["server_cert"],
+                "tls_key_file": certs["server_key"],
+                "tls_ca_file": certs["ca"],
+                "tls_client_cert_file": certs["client_cert"],
+                "tls_client_key_file": certs["client_key"],
+                "tls_client_ca_file": certs["ca"],
+            }
+        },
+        extra_args=["--executor-address", f"127.0.0.1:{port}"],
+    )
+    try:
+        with server.channel() as ch:
+            assert len(stub(ch).Complete(gen_request([5, 6], max_new=3)).token_ids) == 3
+        # A TLS client that trusts the executor but has no certificate is turned away.
+        from cbserve.v1 import executor_pb2, executor_pb2_grpc
+
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(certs["ca"]))
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+            with pytest.raises(grpc.RpcError):
+                executor_pb2_grpc.ExecutorStub(ch).Describe(executor_pb2.DescribeRequest(), timeout=3)
+    finally:
+        server.stop()
+
+
 def test_colocated_executor_socket_is_private():
     server = start_server("tiny")
     try:
