@@ -17,7 +17,12 @@ from router.validation import RequestError, build_request
 
 
 async def admit(
-    engine: Engine, cfg: RouterConfig, msg: gpb.GenerateRequest, timeout_s: float | None, tenant: str = "default"
+    engine: Engine,
+    cfg: RouterConfig,
+    msg: gpb.GenerateRequest,
+    timeout_s: float | None,
+    tenant: str = "default",
+    group: str | None = None,
 ) -> RequestHandle:
     """Validates `msg` and submits it; raises RequestError before queueing
     anything when it cannot be served. Counts every refusal by status.
@@ -53,6 +58,7 @@ async def admit(
             req = await build
         req.nbytes = nbytes
         req.tenant = tenant
+        req.group = group
         # The tenant goes into every block hash under the request's own salt:
         # tenants never share prefix-cache blocks.
         req.cache_salt = f"{tenant}\0{req.cache_salt}"

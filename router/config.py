@@ -165,6 +165,8 @@ class LimitsConfig:
     max_stream_buffer: int = 4096
     # A structured-output constraint that takes longer to compile is refused.
     grammar_compile_timeout_s: float = 10.0
+    # Largest OpenAI `n` (completions per prompt).
+    max_n: int = 8
 
 
 @dataclass
@@ -236,6 +238,7 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         "max_queued_bytes",
         "max_stream_buffer",
         "grammar_compile_timeout_s",
+        "max_n",
     ):
         _positive(getattr(lim, name), f"limits.{name}")
     if lim.default_max_new_tokens > lim.max_new_tokens:

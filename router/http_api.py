@@ -91,7 +91,6 @@ _PARAM = {
 # type, so neither 0 nor 1 passes for False or True (completions'
 # `logprobs: 0` asks for logprobs; chat's `logprobs: false` does not).
 UNSUPPORTED: dict[str, tuple] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": (),
@@ -152,6 +151,7 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    n: int = 1  # completions per prompt: siblings that share the prompt's KV blocks
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
@@ -450,12 +450,12 @@ class OpenAIApi:
         return found[0][1] if found else None
 
     async def _admit_all(
-        self, msgs: list[gpb.GenerateRequest], timeout: float | None, tenant: str
+        self, msgs: list[gpb.GenerateRequest], timeout: float | None, tenant: str, groups: list | None = None
     ) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         try:
-            for msg in msgs:
-                handles.append(await admit(self.engine, self.cfg, msg, timeout, tenant))
+            for msg, group in zip(msgs, groups or [None] * len(msgs)):
+                handles.append(await admit(self.engine, self.cfg, msg, timeout, tenant, group))
         except RequestError as exc:
             for h in handles:  # all prompts of a request run, or none
                 self.engine.abort(h.req)
@@ -494,15 +494,37 @@ class OpenAIApi:
                 else:
                     msg.token_ids.ids.extend(p)
             msgs.append(msg)
-        handles = await self._admit_all(msgs, self._timeout(request), request.state.tenant)
+        msgs, groups = self._siblings(body, msgs)
+        handles = await self._admit_all(msgs, self._timeout(request), request.state.tenant, groups)
         return await self._respond(request, body, handles, rid, chat=False)
+
+    def _siblings(self, body: _Common, msgs: list[gpb.GenerateRequest]) -> tuple[list, list]:
+        """`n` copies of each prompt's request (OpenAI's choice order: prompt
+        by prompt), seeds seed + j, and the group each belongs to."""
+        n = body.n
+        if not 1 <= n <= self.cfg.limits.max_n:
+            raise self._refused(400, f"n: must be in [1, {self.cfg.limits.max_n}], got {n}", "n")
+        if n == 1:
+            return msgs, [None] * len(msgs)
+        out, groups = [], []
+        for msg in msgs:
+            for j in range(n):
+                sib = gpb.GenerateRequest()
+                sib.CopyFrom(msg)
+                sib.request_id = f"{msg.request_id}-{j}"
+                if body.seed is not None:
+                    sib.sampling.seed = (body.seed + j) % 2**64
+                out.append(sib)
+                groups.append(msg.request_id)
+        return out, groups
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         body, rid = await self._generation_body(request, ChatBody)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         msg = self._base_msg(body, max_tokens, rid)
         msg.messages.CopyFrom(_chat_messages(body.messages))
-        handles = await self._admit_all([msg], self._timeout(request), request.state.tenant)
+        msgs, groups = self._siblings(body, [msg])
+        handles = await self._admit_all(msgs, self._timeout(request), request.state.tenant, groups)
         return await self._respond(request, body, handles, rid, chat=True)
 
     async def models(self, request: HttpRequest) -> Response:
@@ -706,9 +728,11 @@ def _chat_messages(messages: list[MessageBody]) -> gpb.ChatMessages:
 
 
 def _usage(handles: list[RequestHandle]) -> dict:
-    prompt = sum(len(h.req.prompt_token_ids) for h in handles)
+    # A prompt with n > 1 completions counts once, as OpenAI counts it.
+    firsts = {h.req.group or h.req.request_id: h for h in reversed(handles)}.values()
+    prompt = sum(len(h.req.prompt_token_ids) for h in firsts)
     completion = sum(len(h.req.output_token_ids) for h in handles)
-    cached = sum(h.req.num_cached_prompt_tokens for h in handles)
+    cached = sum(h.req.num_cached_prompt_tokens for h in firsts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

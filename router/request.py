@@ -64,6 +64,7 @@ class Request:
     nbytes: int = 0  # serialized size of the request it came from (limits.max_queued_bytes)
     matcher: object = None  # llguidance matcher of a structured-output request (router/structured.py)
     tenant: str = "default"  # who sent it (server.auth_tokens_file)
+    group: str | None = None  # siblings of one prompt (OpenAI n > 1): they share its blocks
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
 
     status: Status = Status.WAITING

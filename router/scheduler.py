@@ -90,6 +90,9 @@ class Scheduler:
         self.waiting.append(req)
         self.by_seq[req.seq_id] = req
 
+    def _group_prefilling(self, group: str) -> bool:
+        return any(r.group == group and r.num_computed_tokens < len(r.prompt_token_ids) for r in self.running)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._to_free)
 
@@ -274,6 +277,11 @@ class Scheduler:
             req = self.waiting[0]
             if not all(self.policy.outranks(req, s) for s in self.swapped):
                 break  # swapped requests come back first, unless outranked
+            if req.group is not None and self._group_prefilling(req.group):
+                # A sibling (OpenAI n > 1) is computing the shared prompt:
+                # this one waits and then takes its blocks from the prefix
+                # cache instead of computing them again.
+                break
             cached = self.blocks.lookup_prefix(req)
             computed = len(cached) * self.blocks.block_size
             remaining = req.num_tokens - computed

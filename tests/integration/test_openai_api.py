@@ -233,8 +233,6 @@ def _error(resp, status, param=None):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
-        ("n", 0),
         ("tools", [{"type": "function"}]),
         ("best_of", 3),
         ("echo", True),
@@ -292,6 +290,33 @@ def test_presence_and_frequency_penalties_change_repetitive_greedy_output(api):
     assert len(set(pen.token_ids)) > len(set(free))
     choice = _http_choice(server, model, [5, 6, 7], presence_penalty=2.0, frequency_penalty=2.0, max_tokens=16)
     assert choice["text"] == pen.text
+
+
+def test_n_completions_share_the_prompt_and_follow_seed_plus_index(api):
+    server, client, model = api
+    prompt = list(range(5, 60))  # three full 16-token blocks
+    hits = "cbserve_prefix_cache_hits_total"
+    before = server.metrics().get(hits, 0)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.prompt_tokens == len(prompt) and 0 < r.usage.completion_tokens <= 18  # the prompt counts once
+    # The two siblings took the shared prompt's full blocks from the first.
+    assert server.metrics().get(hits, 0) - before >= 2 * 48
+    for j, c in enumerate(r.choices):  # choice j is the request with seed 7 + j
+        alone = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=7 + j)
+        assert c.text == alone.choices[0].text
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[
+        1
+    ].message.content
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, n=2, stream=True)
+    seen = {c.index for ch in stream for c in ch.choices}
+    assert seen == {0, 1}
+    _error(_post(server, "/completions", {"model": model, "prompt": "x", "n": 9}), 400, "n")
+    _error(_post(server, "/completions", {"model": model, "prompt": "x", "n": 0}), 400, "n")
+    wait_idle(server)
 
 
 def test_top_logprobs_are_the_raw_models_best_tokens_through_both_apis(api):
