@@ -8,6 +8,7 @@ import time
 import structlog
 import torch
 
+from executor.model_source import GGUF_FILE as GGUF_FILE_DEFAULT
 from executor.model_source import ModelSource, cache_dir, tiny_config_dict
 
 _LOGGER = structlog.get_logger(__name__)
@@ -69,7 +70,17 @@ def build_tiny(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _converted_dir(source: ModelSource) -> str:
-    return os.path.join(cache_dir(), "smollm2-hf")
+    """Where a GGUF file's dequantised checkpoint is kept: one directory per
+    file (its path, size and modification time), the embedded default's
+    under its old name."""
+    if source.gguf_file == GGUF_FILE_DEFAULT:
+        return os.path.join(cache_dir(), "smollm2-hf")
+    import hashlib
+
+    path = os.path.join(source.path, source.gguf_file)
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return os.path.join(cache_dir(), f"gguf-{source.gguf_file.removesuffix('.gguf')}-{key}")
 
 
 EXPORT_STAMP = ".cbserve-export.json"  # written last: its presence means complete
@@ -179,7 +190,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device = t
     else:
         from transformers import AutoModelForCausalLM
 
-        path = checkpoint_dir(source)
+        try:
+            path = checkpoint_dir(source)
+        except Exception as exc:  # noqa: BLE001  (transformers' GGUF loader refuses an architecture it lacks)
+            raise ModelNotServable(f"{source.gguf_file}: the GGUF file does not load: {exc}") from exc
         if source.kind == "hf_dir":
             check_causal_lm(path)
         try:

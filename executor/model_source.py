@@ -49,7 +49,9 @@ class ModelSource:
     @property
     def name(self) -> str:
         if self.kind == "gguf":
-            return "SmolLM2-135M-Instruct"
+            if self.gguf_file == GGUF_FILE:
+                return "SmolLM2-135M-Instruct"
+            return self.gguf_file.removesuffix(".gguf")
         if self.kind == "tiny":
             return "tiny-random-llama"
         return os.path.basename(os.path.normpath(self.path))
@@ -72,7 +74,8 @@ def default_gguf_dir() -> str:
 
 
 def resolve(spec: str | None) -> ModelSource:
-    """Parses a --model value: 'smollm2' (default), 'tiny[:{json}]', or a directory."""
+    """Parses a --model value: 'smollm2' (default), 'tiny[:{json}]', a
+    checkpoint directory, or a .gguf file."""
     spec = (spec or DEFAULT_MODEL).strip()
     if spec in (DEFAULT_MODEL, "default", "SmolLM2-135M-Instruct"):
         return ModelSource("gguf", default_gguf_dir(), GGUF_FILE)
@@ -81,12 +84,18 @@ def resolve(spec: str | None) -> ModelSource:
         if overrides:
             json.loads(overrides)  # fail early on malformed JSON
         return ModelSource("tiny", tiny_overrides=overrides)
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise FileNotFoundError(f"GGUF file {spec!r} does not exist")
+        path = os.path.abspath(spec)
+        return ModelSource("gguf", os.path.dirname(path), os.path.basename(path))
     if os.path.isdir(spec):
         if not os.path.isfile(os.path.join(spec, "config.json")):
             raise FileNotFoundError(f"{spec} has no config.json: not a Hugging Face checkpoint")
         return ModelSource("hf_dir", os.path.abspath(spec))
     raise FileNotFoundError(
-        f"model {spec!r} is neither 'smollm2', 'tiny' nor a local checkpoint directory (cbserve never downloads models)"
+        f"model {spec!r} is neither 'smollm2', 'tiny', a local checkpoint directory nor a .gguf file "
+        "(cbserve never downloads models)"
     )
 
 

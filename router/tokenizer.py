@@ -150,6 +150,12 @@ def load_tokenizer(model: str | None) -> Tokenizer:
                 )
             hf = AutoTokenizer.from_pretrained(os.path.dirname(found.origin), gguf_file=GGUF_FILE)
         vocab = 49152
+    elif spec.endswith(".gguf") and os.path.isfile(spec):
+        try:  # the tokenizer the GGUF file carries (transformers converts it)
+            hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(spec)), gguf_file=os.path.basename(spec))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise TokenizerUnavailable(f"{spec}: no tokenizer the router can load: {exc}") from exc
+        vocab = len(hf)
     elif os.path.isdir(spec):
         try:
             hf = AutoTokenizer.from_pretrained(spec)
