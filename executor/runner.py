@@ -24,7 +24,7 @@ from cbserve.v1 import executor_pb2 as pb
 from executor import attention
 from executor.batch_state import BatchState, SeqState
 from executor.cpu import fast_forward
-from executor.errors import PlanError
+from executor.errors import PlanError, SeqError
 from executor.kv_cache import CacheShape, KVCache
 from executor.sampler import SamplingParams, greedy_only, sample
 
@@ -41,6 +41,8 @@ class StepOutput:
     # Per sampled sequence, its top_logprobs alternatives (ids, logprobs) or
     # None; None when no sequence of the step asked for them.
     top: list | None = None
+    # (seq_id, reason) of the sequences refused alone (SeqError).
+    failed: list | None = None
 
 
 @dataclass
@@ -131,6 +133,10 @@ class ModelRunner:
             raise ValueError(f"--max-model-len {max_model_len} is beyond the model's context ({model_len} positions)")
         # The longest sequence served: the model's context, or less (--max-model-len).
         self.max_context = max_model_len or model_len
+        self.vocab_size = int(cfg.vocab_size)
+        self._dropped: set[int] = set()  # sequences refused alone, until the router frees them
+        self._failed: list = []
+        self._top: list = []
         self.gpu = None  # the GPU lean forward, where it runs this model
         self.graphs = None  # its decode steps as CUDA graphs
         self.graph_capture: dict | None = None
@@ -193,20 +199,24 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.state.clear()
+        self._dropped.clear()
 
     # -- the step: apply the plan, prepare inputs, run the model, sample ----
     @torch.inference_mode()
     def step(self, plan: pb.Plan) -> StepOutput:
         t0 = time.perf_counter()
         self._top: list = []  # filled by the sampler for the rows that ask
+        self._failed: list = []  # (seq_id, reason) of sequences refused alone
         scheduled = self._apply_plan(plan)
         if not scheduled:
-            return StepOutput([], [], None, 0.0, time.perf_counter() - t0)
+            return StepOutput([], [], None, 0.0, time.perf_counter() - t0, failed=self._failed or None)
         if self.graphs is not None and self._graphable(scheduled):
             tf = time.perf_counter()
             seq_ids, tokens, logprobs = self._graph_decode(scheduled)
             forward = time.perf_counter() - tf
-            return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, self._tops())
+            return StepOutput(
+                seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, self._tops(), self._failed or None
+            )
         batch = self._prepare_inputs(scheduled)
         tf = time.perf_counter()
         rows = self._run_model(batch)
@@ -214,7 +224,9 @@ class ModelRunner:
             st.num_computed += n
         seq_ids, tokens, logprobs = self._sample(rows, batch.sample_states)
         forward = time.perf_counter() - tf
-        return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, self._tops())
+        return StepOutput(
+            seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, self._tops(), self._failed or None
+        )
 
     def _tops(self) -> list | None:
         return self._top if any(t is not None for t in self._top) else None
@@ -227,10 +239,39 @@ class ModelRunner:
         self.state.free(plan.free_seq_ids)
         self.kv.swap_out([(c.src, c.dst) for c in plan.swap_out])
         self.kv.swap_in([(c.src, c.dst) for c in plan.swap_in])
-        scheduled = [(s.seq_id, s.num_tokens, self._admit(s)) for s in plan.seqs]
-        for s, (_, _, st) in zip(plan.seqs, scheduled):
+        self._dropped.difference_update(plan.free_seq_ids)
+        scheduled = []
+        for s in plan.seqs:
+            if s.seq_id in self._dropped and not s.HasField("new"):
+                # Refused earlier; a plan sent ahead still names it.
+                self._failed.append((s.seq_id, "refused in an earlier step"))
+                continue
+            self._dropped.discard(s.seq_id)
+            try:
+                st = self._admit(s)
+                self._check_seq(s, st)
+            except SeqError as exc:  # this sequence only: dropped, reported, the rest runs
+                self.state.free([s.seq_id])
+                self._dropped.add(s.seq_id)
+                self._failed.append((s.seq_id, str(exc)))
+                continue
             st.allowed = s.allowed_tokens or None  # this step's grammar mask, if any
+            scheduled.append((s.seq_id, s.num_tokens, st))
         return [x for x in scheduled if x[1] > 0]
+
+    def _check_seq(self, s: pb.ScheduledSeq, st: SeqState) -> None:
+        """What one sequence brings that the model cannot take: token ids
+        outside its embedding (new tokens only; sampled ones are in range),
+        a grammar mask that does not cover the vocabulary."""
+        vocab = self.vocab_size
+        if s.HasField("new"):
+            bad = next((t for t in s.new.token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise SeqError(f"seq {s.seq_id}: token id {bad} is outside the model's vocabulary [0, {vocab})")
+        if s.allowed_tokens and len(s.allowed_tokens) != 4 * -(-vocab // 32):
+            raise SeqError(
+                f"seq {s.seq_id}: a grammar mask of {len(s.allowed_tokens)} bytes for a vocabulary of {vocab}"
+            )
 
     def _graphable(self, scheduled: list[tuple[int, int, SeqState]]) -> bool:
         """A pure-decode step (one token per sequence, each sampling) that

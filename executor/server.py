@@ -243,6 +243,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             forward_seconds=out.forward_seconds,
             step_seconds=out.step_seconds,
         )
+        for seq_id, reason in out.failed or []:
+            result.failed_seq_ids.append(seq_id)
+            result.failed_reasons.append(reason)
         for top in out.top or []:
             ids, lps = top if top is not None else ([], [])
             result.top_counts.append(len(ids))

@@ -339,6 +339,11 @@ class Engine:
                     tops=_tops(result) if result.top_counts else None,
                 )
                 self._emit(events, out)
+                for seq_id, why in zip(result.failed_seq_ids, result.failed_reasons):
+                    req = sched.by_seq.get(seq_id)
+                    if req is not None:  # one request's inputs: it fails, the batch goes on
+                        _LOGGER.error("executor refused a sequence", request_id=req.request_id, reason=why)
+                        self.abort(req, (grpc.StatusCode.INTERNAL, f"the executor could not run this request: {why}"))
                 # A step's share of the wall clock: from its launch, or from the
                 # previous result when it was sent ahead.
                 self._observe(out, result, now - max(t_launch, self._last_result_t))

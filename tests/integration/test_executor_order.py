@@ -249,3 +249,19 @@ def test_plans_queued_behind_a_rejected_one_on_the_stream_do_not_run(executor_st
     assert list(stub.Step(pb.Plan(step_id=4, seqs=[pb.ScheduledSeq(seq_id=1, num_tokens=1)]), timeout=30).seq_ids) == [
         1
     ]
+
+
+def test_one_sequences_bad_input_fails_it_alone_and_the_batch_runs(executor_stub):
+    stub = executor_stub
+    stub.Reset(pb.ResetRequest())
+    good, bad = _new_seq(1, [5, 6, 7], [0]), _new_seq(2, [5, 10**6], [1])  # id beyond the embedding
+    r = stub.Step(pb.Plan(step_id=1, seqs=[good, bad]), timeout=60)
+    assert list(r.seq_ids) == [1] and list(r.failed_seq_ids) == [2] and "vocabulary" in r.failed_reasons[0]
+    # A plan sent ahead still names it: reported again, the other decodes on.
+    decode = [pb.ScheduledSeq(seq_id=1, num_tokens=1), pb.ScheduledSeq(seq_id=2, num_tokens=1)]
+    r = stub.Step(pb.Plan(step_id=2, seqs=decode), timeout=60)
+    assert list(r.seq_ids) == [1] and list(r.failed_seq_ids) == [2]
+    # Once the router frees it, the id is a new sequence's like any other.
+    r = stub.Step(pb.Plan(step_id=3, free_seq_ids=[2], seqs=[_new_seq(2, [8, 9], [2])]), timeout=60)
+    assert sorted(r.seq_ids) == [2] and not r.failed_seq_ids
+    stub.Reset(pb.ResetRequest())
