@@ -189,17 +189,9 @@ def _llama_like(kind: str) -> torch.nn.Module:
     its upper layers) in bf16, weights sharpened so windows change tokens."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
-        vocab_size=259,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-        sliding_window=16,
-    )
+    from tests.small_configs import small
+
+    common = small(sliding_window=16)
     torch.manual_seed(1)
     if kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))

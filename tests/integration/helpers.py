@@ -72,3 +72,33 @@ def ask_capital_of_france(server, repo: str) -> subprocess.CompletedProcess:
         timeout=120,
         cwd=repo,
     )
+
+
+def serve_command(*args: str, port: str = "0") -> list[str]:
+    """`cbserve serve` of the tiny model on loopback, ports chosen by the OS
+    unless `port` is given; extra arguments after."""
+    import sys
+
+    return [
+        sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--port", port,
+        "--metrics-port", "0", "--http-port", "0", "--host", "127.0.0.1", *args,
+    ]  # fmt: skip
+
+
+def run_serve(*args: str, timeout: float = 120):
+    """Runs `serve_command(*args)` to its end; its CompletedProcess (text)."""
+    import subprocess
+
+    from tests.conftest import REPO
+
+    return subprocess.run(serve_command(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def popen_serve(*args: str, port: str = "0", **kw):
+    """Starts `serve_command(*args)`; output merged into a text pipe."""
+    import subprocess
+
+    from tests.conftest import REPO
+
+    cmd = serve_command(*args, port=port)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)

@@ -18,22 +18,10 @@ import torch
 from router.tokenizer import build_tiny_tokenizer
 from tests.conftest import start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.small_configs import SMALL
 
 NEW = 12
-COMMON = dict(
-    vocab_size=259,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=2048,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+COMMON = SMALL
 WINDOW = 16
 
 

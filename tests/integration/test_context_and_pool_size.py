@@ -58,18 +58,9 @@ def _dtype():
 
 
 def test_a_memory_fraction_out_of_range_is_refused(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
+    from tests.integration.helpers import run_serve
 
     cfg = tmp_path / "frac.yaml"
     cfg.write_text(yaml.safe_dump({"cache": {"memory_fraction": 1.5}}))
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--config", str(cfg), "--port", "0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_serve("--config", str(cfg))
     assert out.returncode == 2 and "cache.memory_fraction: must be in [0, 0.95]" in out.stderr

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cbserve.v1 import generation_pb2 as gpb
 from router.tokenizer import build_tiny_tokenizer
 from tests.conftest import REPO, free_port, start_server, wait_serving
-from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.integration.helpers import gen_request, popen_serve, run_serve, stub, wait_idle
 
 
 def _stream_in_thread(server, results, i, max_new=1500):
@@ -198,14 +198,7 @@ def test_a_checkpoint_without_a_tokenizer_stops_serve_with_the_reason(tmp_path):
     LlamaForCausalLM(
         LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     ).save_pretrained(tmp_path)
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]
-        + ["--metrics-port", "0", "--http-port", "0", "--host", "127.0.0.1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_serve("--model", str(tmp_path), "--device", "cpu")
     assert (
         out.returncode == 2
         and "cbserve: cannot start:" in out.stderr
@@ -226,13 +219,7 @@ def test_an_executor_address_in_use_is_refused_with_the_reason(tmp_path):
 
 
 def test_a_plaintext_tcp_executor_is_refused_unless_allowed():
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--executor-address", "127.0.0.1:1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_serve("--executor-address", "127.0.0.1:1")
     assert out.returncode == 2 and "TCP without TLS" in out.stderr and "allow_insecure_tcp" in out.stderr
     # The executor alone refuses it too.
     out = subprocess.run(
@@ -248,14 +235,7 @@ def test_a_plaintext_tcp_executor_is_refused_unless_allowed():
 def test_an_executor_that_dies_before_it_is_ready_is_not_restarted():
     # Killed while it loads: whatever the cause, a restart would most likely
     # die the same way, so serve stops instead of looping.
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", "0"]
-    proc = subprocess.Popen(
-        cmd + ["--metrics-port", "0", "--http-port", "0", "--host", "127.0.0.1"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = popen_serve("--device", "cpu")
     end, killed = time.monotonic() + 30, None
     while killed is None and time.monotonic() < end:
         for child in psutil.Process(proc.pid).children(recursive=True):
@@ -291,15 +271,7 @@ def test_a_kv_cache_larger_than_memory_stops_serve_with_a_clear_error(tmp_path):
 
 def _serve_without_config():
     port = free_port()
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port)]
-    proc = subprocess.Popen(
-        cmd + ["--metrics-port", "0", "--http-port", "0", "--host", "127.0.0.1"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = popen_serve("--device", "cpu", port=str(port), start_new_session=True)
     wait_serving(f"127.0.0.1:{port}", 120, proc)
     return proc, port
 

@@ -10,6 +10,7 @@ from cbserve.v1 import generation_pb2 as gpb
 from tests.conftest import start_server
 from tests.integration.gguf_writer import write_gguf
 from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.small_configs import small
 
 NEW = 10
 
@@ -17,19 +18,7 @@ NEW = 10
 def _model(arch: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
-        vocab_size=259,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
+    common = small(num_hidden_layers=2, max_position_embeddings=512, head_dim=32)  # GGUF: hidden / heads
     torch.manual_seed(3)
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()

@@ -217,22 +217,22 @@ def test_token_from_environment_variable():
         server.stop()
 
 
+def _tcp_executor_server(certs, port: int, **executor_cfg):
+    """A server whose router reaches its executor over TLS on 127.0.0.1:port,
+    with `executor_cfg` on top; it answered one request."""
+    cfg = {"tls_cert_file": certs["server_cert"], "tls_key_file": certs["server_key"], "tls_ca_file": certs["ca"]}
+    server = start_server(
+        "tiny", config={"executor": {**cfg, **executor_cfg}}, extra_args=["--executor-address", f"127.0.0.1:{port}"]
+    )
+    with server.channel() as ch:
+        assert len(stub(ch).Complete(gen_request([5, 6], max_new=3)).token_ids) == 3
+    return server
+
+
 def test_router_to_executor_over_tcp_with_tls(certs):
     port = free_port()
-    server = start_server(
-        "tiny",
-        config={
-            "executor": {
-                "tls_cert_file": certs["server_cert"],
-                "tls_key_file": certs["server_key"],
-                "tls_ca_file": certs["ca"],
-            }
-        },
-        extra_args=["--executor-address", f"127.0.0.1:{port}"],
-    )
+    server = _tcp_executor_server(certs, port)
     try:
-        with server.channel() as ch:
-            assert len(stub(ch).Complete(gen_request([5, 6], max_new=3)).token_ids) == 3
         # The executor really speaks TLS: a plaintext client cannot use it.
         from cbserve.v1 import executor_pb2, executor_pb2_grpc
 
@@ -245,23 +245,14 @@ def test_router_to_executor_over_tcp_with_tls(certs):
 
 def test_router_to_executor_over_mtls_admits_only_the_router(certs):
     port = free_port()
-    server = start_server(
-        "tiny",
-        config={
-            "executor": {
-                "tls_cert_file": certs["server_cert"],
-                "tls_key_file": certs["server_key"],
-                "tls_ca_file": certs["ca"],
-                "tls_client_cert_file": certs["client_cert"],
-                "tls_client_key_file": certs["client_key"],
-                "tls_client_ca_file": certs["ca"],
-            }
-        },
-        extra_args=["--executor-address", f"127.0.0.1:{port}"],
+    server = _tcp_executor_server(
+        certs,
+        port,
+        tls_client_cert_file=certs["client_cert"],
+        tls_client_key_file=certs["client_key"],
+        tls_client_ca_file=certs["ca"],
     )
     try:
-        with server.channel() as ch:
-            assert len(stub(ch).Complete(gen_request([5, 6], max_new=3)).token_ids) == 3
         # A TLS client that trusts the executor but has no certificate is turned away.
         from cbserve.v1 import executor_pb2, executor_pb2_grpc
 
@@ -335,22 +326,13 @@ def test_tenants_never_share_prefix_cache_blocks_and_are_counted_apart(tmp_path)
 
 
 def test_a_bad_tokens_file_stops_serve_with_the_reason(tmp_path):
-    import subprocess
-    import sys
-
     import yaml
 
-    from tests.conftest import REPO
+    from tests.integration.helpers import run_serve
 
     tokens = tmp_path / "tokens"
     tokens.write_text("just-one-field\n")
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"server": {"auth_tokens_file": str(tokens)}}))
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "serve", "--model", "tiny", "--config", str(cfg), "--port", "0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_serve("--config", str(cfg))
     assert out.returncode == 2 and "expected 'TENANT TOKEN'" in out.stderr, out.stderr[-2000:]

@@ -68,6 +68,13 @@ def make_batch(
     )
 
 
+def case_batch(case: dict, **kw):
+    """make_batch for a hypothesis case dict (q_lens, ctx_lens, hq, hkv, d,
+    block_size, dtype, seed); `kw` adds or overrides arguments."""
+    keys = ("hq", "hkv", "d", "block_size", "dtype", "seed")
+    return make_batch(case["q_lens"], case["ctx_lens"], **{**{k: case[k] for k in keys}, **kw})
+
+
 def reference(batch, scale, **kw):
     """The torch reference in fp32 on CPU, from the same (possibly bf16)
     inputs; `kw`: sliding_window, softcap."""

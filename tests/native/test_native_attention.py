@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import native
-from tests.native.helpers import SUPPORTED_ISAS, attend, make_batch, reference, tolerance
+from tests.native.helpers import SUPPORTED_ISAS, attend, case_batch, make_batch, reference, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -32,16 +32,7 @@ def cases(draw):
 
 
 def check(case):
-    batch = make_batch(
-        case["q_lens"],
-        case["ctx_lens"],
-        hq=case["hq"],
-        hkv=case["hkv"],
-        d=case["d"],
-        block_size=case["block_size"],
-        dtype=case["dtype"],
-        seed=case["seed"],
-    )
+    batch = case_batch(case)
     scale = case["d"] ** -0.5
     got = attend(batch, scale)
     want = reference(batch, scale)

@@ -15,24 +15,14 @@ from hypothesis import strategies as st
 
 import native
 from executor.torch_ops import reshape_and_cache as ref_reshape_and_cache
-from tests.native.helpers import SUPPORTED_ISAS, attend, make_batch, reference, tolerance
+from tests.native.helpers import SUPPORTED_ISAS, attend, case_batch, reference, tolerance
 
 F8 = torch.float8_e5m2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _check(case):
-    batch = make_batch(
-        case["q_lens"],
-        case["ctx_lens"],
-        hq=case["hq"],
-        hkv=case["hkv"],
-        d=case["d"],
-        block_size=case["block_size"],
-        dtype=case["dtype"],
-        kv_dtype=F8,
-        seed=case["seed"],
-    )
+    batch = case_batch(case, kv_dtype=F8)
     assert batch["key_cache"].dtype == F8
     got = attend(batch, case["d"] ** -0.5)
     want = reference(batch, case["d"] ** -0.5)

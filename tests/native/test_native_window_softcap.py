@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import native
-from tests.native.helpers import SUPPORTED_ISAS, attend, make_batch, reference, tolerance
+from tests.native.helpers import SUPPORTED_ISAS, attend, case_batch, make_batch, reference, tolerance
 from tests.native.test_native_attention import cases
 
 
@@ -28,16 +28,7 @@ def windowed(draw):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=windowed())
 def test_window_and_softcap_match_the_reference(isa, case):
-    batch = make_batch(
-        case["q_lens"],
-        case["ctx_lens"],
-        hq=case["hq"],
-        hkv=case["hkv"],
-        d=case["d"],
-        block_size=case["block_size"],
-        dtype=case["dtype"],
-        seed=case["seed"],
-    )
+    batch = case_batch(case)
     batch["query"] *= case["logit_scale"]
     kw = {"sliding_window": case["sliding_window"], "softcap": case["softcap"]}
     scale = case["d"] ** -0.5
