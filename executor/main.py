@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="", help="accept only clients with a certificate this CA signed (mTLS)")
     p.add_argument("--allow-insecure-tcp", action="store_true", help="listen on TCP without TLS (not recommended)")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=120.0,
+        help="health NOT_SERVING while a step runs longer than this (s), so a liveness probe restarts it; 0 = off",
+    )
     return p.parse_args(argv)
 
 
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         omp_proc_bind=os.environ.get("OMP_PROC_BIND", ""),
     )
     _signal_ready()
-    wait_forever(server, health, service.worker)
+    wait_forever(server, health, service.worker, max(0.0, args.hang_timeout))
     return 0
 
 

@@ -43,6 +43,7 @@ class MainThreadWorker:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_since: float | None = None  # monotonic start of the job running now
 
     def submit(self, fn, *args) -> futures.Future:
         """Queues fn(*args) for the main thread (jobs run in FIFO order)."""
@@ -75,10 +76,13 @@ class MainThreadWorker:
                 continue
             if not fut.set_running_or_notify_cancel():
                 continue
+            self.busy_since = time.monotonic()
             try:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
+            finally:
+                self.busy_since = None
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
@@ -331,10 +335,36 @@ def build_server(
     return server, health_servicer
 
 
-def wait_forever(server: grpc.Server, health_servicer: health.HealthServicer, worker: MainThreadWorker) -> None:
+def watch_for_hangs(health_servicer, worker: MainThreadWorker, hang_s: float, stop: threading.Event) -> None:
+    """Health NOT_SERVING while one job (a step) has run longer than hang_s,
+    SERVING again once it ends: the liveness probe on the socket then fails,
+    so Kubernetes restarts an executor that hangs (with `cbserve serve` the
+    router's step timeout does it)."""
+    hung = False
+    while not stop.wait(min(1.0, hang_s / 4)):
+        since = worker.busy_since
+        now_hung = since is not None and time.monotonic() - since > hang_s
+        if now_hung != hung:
+            hung = now_hung
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if hung else health_pb2.HealthCheckResponse.SERVING
+            for name in ("", "cbserve.v1.Executor"):
+                health_servicer.set(name, status)
+            if hung:
+                _LOGGER.error("a step has run too long: health NOT_SERVING", seconds=round(time.monotonic() - since, 1))
+            else:
+                _LOGGER.warning("the long step ended: health SERVING again")
+
+
+def wait_forever(
+    server: grpc.Server, health_servicer: health.HealthServicer, worker: MainThreadWorker, hang_s: float = 0
+) -> None:
     import signal
 
     stop = threading.Event()
+    if hang_s > 0:
+        threading.Thread(
+            target=watch_for_hangs, args=(health_servicer, worker, hang_s, stop), daemon=True, name="hang-watch"
+        ).start()
 
     def _on_signal(signum, frame):
         _LOGGER.info("executor stopping", signal=signum)

@@ -265,3 +265,45 @@ def test_one_sequences_bad_input_fails_it_alone_and_the_batch_runs(executor_stub
     r = stub.Step(pb.Plan(step_id=3, free_seq_ids=[2], seqs=[_new_seq(2, [8, 9], [2])]), timeout=60)
     assert sorted(r.seq_ids) == [2] and not r.failed_seq_ids
     stub.Reset(pb.ResetRequest())
+
+
+def test_a_step_that_runs_too_long_turns_the_executors_health_not_serving(tmp_path):
+    # A prefill far heavier than the hang timeout stands in for a hung step
+    # (a stopped process would stop the health server too): the liveness
+    # probe sees NOT_SERVING while it runs and SERVING once it ends.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address = f"unix://{tmp_path}/executor.sock"
+    big = '{"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16}'
+    cmd = [sys.executable, "-m", "executor", "--model", f"tiny:{big}", "--dtype", "float32", "--device", "cpu"]
+    proc = subprocess.Popen(
+        cmd + ["--listen", address, "--threads", "1", "--hang-timeout", "0.3"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = pb_grpc.ExecutorStub(ch)
+            stub.Describe(pb.DescribeRequest(), timeout=180, wait_for_ready=True)
+            health = health_pb2_grpc.HealthStub(ch)
+            blocks = list(range(0, 1600 // 16 + 1))
+            t, box = _in_background(
+                lambda: stub.Step(pb.Plan(step_id=1, seqs=[_new_seq(1, [5] * 1600, blocks)]), timeout=120)
+            )
+            seen = set()
+            while t.is_alive():
+                seen.add(health.Check(health_pb2.HealthCheckRequest(), timeout=5).status)
+                time.sleep(0.05)
+            t.join()
+            assert "error" not in box and list(box["result"].seq_ids) == [1]
+            assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
+            end = time.monotonic() + 5
+            status = None
+            while time.monotonic() < end and status != health_pb2.HealthCheckResponse.SERVING:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                time.sleep(0.1)
+            assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
