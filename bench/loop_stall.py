@@ -1,0 +1,124 @@
+"""Does one client's huge input stall the others? (`python -m bench.loop_stall`)
+
+Against one `cbserve serve` (tiny model): one client streams a long
+generation and another checks gRPC health every 50 ms, first alone, then
+while 8 clients keep sending 3.9 MB prompts. Printed per phase: the
+streaming client's inter-token gaps (p50 / p99 / max) and health's latency
+(p50 / p99 / max), and how the big requests ended. Run it twice to compare
+the default `limits.max_input_chars` (such prompts are refused before any
+tokenization) with a limit above them (tokenized on the tokenizer threads,
+then refused for the context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def _phase(target: str, big_clients: int, seconds: float) -> dict:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from cbserve.v1 import generation_pb2 as gpb
+    from cbserve.v1 import generation_pb2_grpc as gpb_grpc
+
+    big_text = "word " * (3_900_000 // 5)
+    gaps: list[float] = []
+    health_ms: list[float] = []
+    outcomes: Counter = Counter()
+    end = time.monotonic() + seconds
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        stub = gpb_grpc.GenerationStub(ch)
+        hstub = health_pb2_grpc.HealthStub(ch)
+
+        async def stream() -> None:
+            while time.monotonic() < end:
+                req = gpb.GenerateRequest(stopping=gpb.StoppingCriteria(max_new_tokens=400, ignore_eos=True))
+                req.token_ids.ids.extend([5, 6, 7])
+                last = None
+                async for _ in stub.Generate(req):
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    if now >= end:
+                        break
+
+        async def health() -> None:
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                await hstub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                health_ms.append(1e3 * (time.monotonic() - t0))
+                await asyncio.sleep(0.05)
+
+        async def big() -> None:
+            while time.monotonic() < end:
+                try:
+                    await stub.Complete(gpb.GenerateRequest(text=big_text), timeout=60)
+                    outcomes["OK"] += 1
+                except grpc.aio.AioRpcError as exc:
+                    outcomes[exc.code().name] += 1
+
+        await asyncio.gather(stream(), health(), *(big() for _ in range(big_clients)))
+    return {
+        "big_clients": big_clients,
+        "itl_ms": {q: round(1e3 * _pct(gaps, p), 2) for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
+        "health_ms": {q: round(_pct(health_ms, p), 2) for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
+        "health_checks": len(health_ms),
+        "tokens": len(gaps),
+        "big_outcomes": dict(outcomes),
+        "mean_itl_ms": round(1e3 * statistics.mean(gaps), 2) if gaps else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.server import CbserveServer
+
+    p = argparse.ArgumentParser(prog="python -m bench.loop_stall", description=__doc__)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--max-input-chars", type=int, default=0, help="limits.max_input_chars (0: the default)")
+    p.add_argument("--out", default="bench/results/loop_stall.json")
+    a = p.parse_args(argv)
+    extra = {"server": {"max_receive_message_bytes": 8 << 20}}
+    if a.max_input_chars:
+        extra["limits"] = {"max_input_chars": a.max_input_chars}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    server = CbserveServer(
+        out.parent / "loop-stall-work", "fcfs", model="tiny", dtype="float32", config_overrides={"extra": extra}
+    )
+    server.start()
+    try:
+        result = {
+            "max_input_chars": a.max_input_chars or "default",
+            "alone": asyncio.run(_phase(server.target, 0, a.seconds)),
+            "with_big_inputs": asyncio.run(_phase(server.target, 8, a.seconds)),
+        }
+    finally:
+        server.stop()
+    out.write_text(json.dumps(result, indent=1))
+    for name in ("alone", "with_big_inputs"):
+        r = result[name]
+        sys.stdout.write(
+            f"{name:16s} ITL p50/p99/max {r['itl_ms']['p50']}/{r['itl_ms']['p99']}/{r['itl_ms']['max']} ms; "
+            f"health p50/p99/max {r['health_ms']['p50']}/{r['health_ms']['p99']}/{r['health_ms']['max']} ms; "
+            f"big requests {r['big_outcomes']}\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
