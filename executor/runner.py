@@ -205,31 +205,24 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, plan: pb.Plan) -> StepOutput:
         t0 = time.perf_counter()
-        self._top: list = []  # filled by the sampler for the rows that ask
-        self._failed: list = []  # (seq_id, reason) of sequences refused alone
+        self._top = []  # filled by the sampler for the rows that ask
+        self._failed = []  # (seq_id, reason) of sequences refused alone
         scheduled = self._apply_plan(plan)
         if not scheduled:
             return StepOutput([], [], None, 0.0, time.perf_counter() - t0, failed=self._failed or None)
         if self.graphs is not None and self._graphable(scheduled):
             tf = time.perf_counter()
             seq_ids, tokens, logprobs = self._graph_decode(scheduled)
-            forward = time.perf_counter() - tf
-            return StepOutput(
-                seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, self._tops(), self._failed or None
-            )
-        batch = self._prepare_inputs(scheduled)
-        tf = time.perf_counter()
-        rows = self._run_model(batch)
-        for _, n, st in scheduled:
-            st.num_computed += n
-        seq_ids, tokens, logprobs = self._sample(rows, batch.sample_states)
+        else:
+            batch = self._prepare_inputs(scheduled)
+            tf = time.perf_counter()
+            rows = self._run_model(batch)
+            for _, n, st in scheduled:
+                st.num_computed += n
+            seq_ids, tokens, logprobs = self._sample(rows, batch.sample_states)
         forward = time.perf_counter() - tf
-        return StepOutput(
-            seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, self._tops(), self._failed or None
-        )
-
-    def _tops(self) -> list | None:
-        return self._top if any(t is not None for t in self._top) else None
+        tops = self._top if any(t is not None for t in self._top) else None
+        return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, tops, self._failed or None)
 
     def _apply_plan(self, plan: pb.Plan) -> list[tuple[int, int, SeqState]]:
         """Frees, swaps and admits what the plan says; returns the sequences
@@ -249,7 +242,7 @@ class ModelRunner:
             self._dropped.discard(s.seq_id)
             try:
                 st = self._admit(s)
-                self._check_seq(s, st)
+                self._check_seq(s)
             except SeqError as exc:  # this sequence only: dropped, reported, the rest runs
                 self.state.free([s.seq_id])
                 self._dropped.add(s.seq_id)
@@ -259,7 +252,7 @@ class ModelRunner:
             scheduled.append((s.seq_id, s.num_tokens, st))
         return [x for x in scheduled if x[1] > 0]
 
-    def _check_seq(self, s: pb.ScheduledSeq, st: SeqState) -> None:
+    def _check_seq(self, s: pb.ScheduledSeq) -> None:
         """What one sequence brings that the model cannot take: token ids
         outside its embedding (new tokens only; sampled ones are in range),
         a grammar mask that does not cover the vocabulary."""
@@ -292,16 +285,11 @@ class ModelRunner:
         for _, _, st in scheduled:
             st.num_computed += 1
         states = [(seq_id, st) for seq_id, _, st in scheduled]
-        params = [st.sampling for _, st in states]
-        allowed = [st.allowed for _, st in states]
         logprobs = None
-        if greedy_only(params) and not any(allowed):  # the graph's own argmax, on the device
+        if self._greedy(states):  # the graph's own argmax, on the device
             tokens = self.graphs.tokens_to_host(argmax, len(states))
         else:
-            logits = finish_logits(self.config, self.graphs.logits[bucket][: len(states)])
-            hist = [st.token_ids if st.sampling.needs_history else None for _, st in states]
-            outputs = [st.num_output for _, st in states]
-            tokens, logprobs = sample(logits, params, hist, outputs, allowed, top_out=self._top)
+            tokens, logprobs = self._sample_logits(self.graphs.logits[bucket][: len(states)], states)
         return self._record(states, tokens), tokens, logprobs
 
     def _prepare_inputs(self, scheduled: list[tuple[int, int, SeqState]]) -> _Batch:
@@ -420,20 +408,31 @@ class ModelRunner:
         to its sequence. Returns (seq_ids, token_ids, logprobs or None)."""
         if not sample_states:
             return [], [], None
-        params = [st.sampling for _, st in sample_states]
-        allowed = [st.allowed for _, st in sample_states]
         logprobs = None
         greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
-        fast = greedy_head is not None and greedy_only(params) and not any(allowed)
-        picked = greedy_head(rows) if fast else None
+        picked = greedy_head(rows) if greedy_head is not None and self._greedy(sample_states) else None
         if picked is not None:  # the LM head's argmax straight from its accumulators
             tokens = picked
         else:
-            logits = finish_logits(self.config, self.model.lm_head(rows))
-            hist = [st.token_ids if st.sampling.needs_history else None for _, st in sample_states]
-            outputs = [st.num_output for _, st in sample_states]
-            tokens, logprobs = sample(logits, params, hist, outputs, allowed, top_out=self._top)
+            tokens, logprobs = self._sample_logits(self.model.lm_head(rows), sample_states)
         return self._record(sample_states, tokens), tokens, logprobs
+
+    @staticmethod
+    def _greedy(states: list[tuple[int, SeqState]]) -> bool:
+        """Every row takes its argmax: greedy, unmasked, nothing that reads logits."""
+        return greedy_only([st.sampling for _, st in states]) and not any(st.allowed for _, st in states)
+
+    def _sample_logits(
+        self, raw: torch.Tensor, states: list[tuple[int, SeqState]]
+    ) -> tuple[list[int], list[float] | None]:
+        """The host sampler over the LM head's output `raw` for `states`,
+        after the model's own logit finishing."""
+        logits = finish_logits(self.config, raw)
+        params = [st.sampling for _, st in states]
+        allowed = [st.allowed for _, st in states]
+        hist = [st.token_ids if st.sampling.needs_history else None for _, st in states]
+        outputs = [st.num_output for _, st in states]
+        return sample(logits, params, hist, outputs, allowed, top_out=self._top)
 
     @staticmethod
     def _record(sample_states: list[tuple[int, SeqState]], tokens: list[int]) -> list[int]:
