@@ -302,37 +302,38 @@ def build_server(
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)
-    if tls_cert and not path:
-        with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
-            pair = (k.read(), c.read())
-        ca = None
-        if tls_client_ca:
-            with open(tls_client_ca, "rb") as fh:
-                ca = fh.read()
-        creds = grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
-        port = server.add_secure_port(address, creds)
-    else:
-        # A socket is created with its final mode (owner only: the pod's
-        # containers share a uid), never briefly open to others.
-        old = os.umask(0o177) if path else None
-        try:
-            port = server.add_insecure_port(address)
-        finally:
-            if old is not None:
-                os.umask(old)
-    if not path and port == 0:
-        raise OSError(f"cannot listen on {address}")
+    # A unix socket is created with its final mode (owner only: the pod's
+    # containers share a uid), never briefly open to others; gRPC binds it
+    # in add_insecure_port() or start(), so the umask covers both.
     old = os.umask(0o177) if path else None
     try:
+        if tls_cert and not path:
+            with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
+                pair = (k.read(), c.read())
+            ca = None
+            if tls_client_ca:
+                with open(tls_client_ca, "rb") as fh:
+                    ca = fh.read()
+            creds = grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+        if not path and port == 0:
+            raise OSError(f"cannot listen on {address}")
         server.start()
     finally:
         if old is not None:
             os.umask(old)
     if path:
         os.chmod(path, 0o600)
-    for name in ("", "cbserve.v1.Executor"):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
+
+
+def _set_health(health_servicer, status) -> None:
+    """The same status for the server as a whole and for its one service."""
+    for name in ("", "cbserve.v1.Executor"):
+        health_servicer.set(name, status)
 
 
 def watch_for_hangs(health_servicer, worker: MainThreadWorker, hang_s: float, stop: threading.Event) -> None:
@@ -347,8 +348,7 @@ def watch_for_hangs(health_servicer, worker: MainThreadWorker, hang_s: float, st
         if now_hung != hung:
             hung = now_hung
             status = health_pb2.HealthCheckResponse.NOT_SERVING if hung else health_pb2.HealthCheckResponse.SERVING
-            for name in ("", "cbserve.v1.Executor"):
-                health_servicer.set(name, status)
+            _set_health(health_servicer, status)
             if hung:
                 _LOGGER.error("a step has run too long: health NOT_SERVING", seconds=round(time.monotonic() - since, 1))
             else:
