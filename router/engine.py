@@ -146,7 +146,6 @@ class Engine:
         self._step_id = 0
         self._eos_ids: tuple[int, ...] = ()
         self.structured = None  # router/structured.py, once the executor's vocabulary is known
-        self.structured_vocab = 0
         self._last_result_t = 0.0  # perf_counter of the last step result
         self._ready_callbacks: list[Callable[[bool], None]] = []
         self._seen: dict[int, int] = {}  # counter id -> scheduler total already exported
@@ -207,11 +206,10 @@ class Engine:
         policy = make_policy(self.cfg.scheduler)
         self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context)
         self._eos_ids = tuple(eos)
-        if self.structured is None or self.structured_vocab != facts.vocab_size:
+        if self.structured is None or self.structured.vocab_size != facts.vocab_size:
             from router.structured import Structured
 
             self.structured = Structured(self.tokenizer.hf, facts.vocab_size, eos[0] if eos else None)
-            self.structured_vocab = facts.vocab_size
         self._seen.clear()
         if self.facts is not None:
             self.metrics.executor_restarts.inc()

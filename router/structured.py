@@ -35,7 +35,7 @@ class Structured:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos: int | None) -> None:
         self._hf = hf_tokenizer
-        self._vocab_size = vocab_size
+        self.vocab_size = vocab_size
         self._eos = eos
         self._tok = None
         self._lock = threading.Lock()
@@ -46,7 +46,7 @@ class Structured:
             if self._tok is None:
                 import llguidance.hf
 
-                self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size, eos_token=self._eos)
+                self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
             return self._tok
 
     def grammar(self, spec: gpb.StructuredOutput) -> str:
