@@ -361,9 +361,11 @@ class OpenAIApi:
             if not 0 <= body.seed < 2**64:
                 raise self._refused(400, f"seed: must be in [0, 2**64), got {body.seed}", "seed")
             sampling.seed = body.seed
+        structured = self._structured(body)
+        logprobs, top_logprobs = self._logprobs(body)
         return gpb.GenerateRequest(
             request_id=request_id,
-            structured=self._structured(body),
+            structured=structured,
             sampling=sampling,
             stopping=gpb.StoppingCriteria(
                 max_new_tokens=max_tokens or 0,
@@ -374,8 +376,8 @@ class OpenAIApi:
             ),
             # vLLM's priority: lower is handled earlier; cbserve's: larger is more urgent.
             priority=-body.priority,
-            logprobs=self._logprobs(body)[0],
-            top_logprobs=self._logprobs(body)[1],
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             cache_salt=body.cache_salt or "",
         )
 
