@@ -53,10 +53,15 @@ class IncrementalDetokenizer:
                 self.prefix_offset -= drop
                 self.read_offset -= drop
             if self.stop and self.num_tokens >= self.min_tokens:
-                self._check_stop(before if self.num_tokens - len(token_ids) >= self.min_tokens else before + self.hold)
+                # The step that reaches min_tokens searches its own text only,
+                # none from before min_tokens were out.
+                self._check_stop(before, lookback=self.num_tokens - len(token_ids) >= self.min_tokens)
 
-    def _check_stop(self, new_from: int) -> None:
-        start = max(0, new_from - self.hold)
+    def _check_stop(self, new_from: int, lookback: bool) -> None:
+        """Truncates at the first stop string found from new_from on, or from
+        `hold` characters before it when lookback (a stop string split over
+        steps)."""
+        start = max(0, new_from - self.hold) if lookback else new_from
         cut = -1
         for s in self.stop:
             i = self.text.find(s, start)
