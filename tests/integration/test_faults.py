@@ -88,11 +88,7 @@ def test_executor_failure_ends_requests_unavailable_and_recovers(fault):
         if fault == "hang":
             # The supervisor kills a hung executor: the stopped process is gone.
             end = time.monotonic() + 10
-            while (
-                psutil.pid_exists(exe)
-                and psutil.Process(exe).status() != psutil.STATUS_ZOMBIE
-                and time.monotonic() < end
-            ):
+            while _alive(exe) and time.monotonic() < end:
                 time.sleep(0.1)
         _assert_recovered(server, router_pid)
         assert server.executor_pid() != exe
@@ -120,9 +116,9 @@ def test_sigterm_drains_in_flight_then_exits_zero():
     assert results == [("finished", "LENGTH", 300)] * 3  # in-flight requests completed
     assert server.proc.wait(30) == 0
     end = time.monotonic() + 10
-    while psutil.pid_exists(exe) and time.monotonic() < end:
+    while _alive(exe) and time.monotonic() < end:
         time.sleep(0.1)
-    assert not psutil.pid_exists(exe) or psutil.Process(exe).status() == psutil.STATUS_ZOMBIE
+    assert not _alive(exe)
 
 
 def test_drain_timeout_cancels_what_is_left():
@@ -276,6 +272,14 @@ def _serve_without_config():
     return proc, port
 
 
+def _alive(pid: int) -> bool:
+    """Running and not a zombie; a process that exits while asked is not."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _executor_of(proc) -> int:
     return next(c.pid for c in psutil.Process(proc.pid).children(recursive=True) if "executor" in " ".join(c.cmdline()))
 
@@ -287,7 +291,7 @@ def test_sighup_without_config_is_ignored_by_both_processes():
         proc.send_signal(signal.SIGHUP)
         os.kill(exe, signal.SIGHUP)
         time.sleep(1.0)
-        assert proc.poll() is None and psutil.pid_exists(exe) and psutil.Process(exe).status() != "zombie"
+        assert proc.poll() is None and _alive(exe)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             assert len(stub(ch).Complete(gen_request([5, 6, 7], max_new=3), timeout=30).token_ids) == 3
         proc.send_signal(signal.SIGTERM)
@@ -304,6 +308,6 @@ def test_the_executor_dies_with_a_killed_serve():
     proc.kill()  # SIGKILL: serve cannot stop its child itself
     proc.communicate(timeout=30)
     end = time.monotonic() + 20
-    while psutil.pid_exists(exe) and psutil.Process(exe).status() != "zombie" and time.monotonic() < end:
+    while _alive(exe) and time.monotonic() < end:
         time.sleep(0.1)
-    assert not psutil.pid_exists(exe) or psutil.Process(exe).status() == "zombie"
+    assert not _alive(exe)
