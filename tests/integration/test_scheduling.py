@@ -9,6 +9,7 @@ switch the scheduler section with SIGHUP, which is itself under test.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import threading
@@ -237,7 +238,19 @@ def test_sighup_switches_policy_mid_run_without_losing_requests(big):
         f"r{i}": gen_request([rng.randrange(3, 259) for _ in range(12)], max_new=40 + i, priority=i % 3)
         for i in range(16)
     }
-    out, threads = start_streams(big, reqs)
+    # The executor is held while the 16 streams connect, so all of them are in
+    # the queue at once whatever this machine's speed (the prompt counter moves
+    # at submission; the queue gauges only at step boundaries); four run at a
+    # time, so after resuming there are three finishing rounds in which tokens
+    # flow and requests still wait.
+    exe = big.executor_pid()
+    submitted = big.metrics()["cbserve_prompt_tokens_total"]
+    os.kill(exe, signal.SIGSTOP)
+    try:
+        out, threads = start_streams(big, reqs)
+        wait_metric(big, lambda m: m["cbserve_prompt_tokens_total"] - submitted == 16 * 12)
+    finally:
+        os.kill(exe, signal.SIGCONT)
     wait_metric(big, lambda m: m["cbserve_generation_tokens_total"] > 0 and m["cbserve_num_requests_waiting"] > 0)
     reconfigure(big, {"policy": "priority", "max_num_seqs": 4})
     for t in threads:
@@ -341,18 +354,19 @@ def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
     batch = {f"b{i}": gen_request([50 + i] * 16, max_new=300, request_id=f"{tag}-b{i}") for i in range(2)}
     _, threads = start_streams(big, batch, out)
     wait_metric(big, lambda m: "warmup" in out and m["cbserve_num_requests_running"] == 2)
-    _, t2 = start_streams(big, {"late": gen_request([60] * 16, max_new=20, request_id=f"{tag}-late")}, out)
+    _, t2 = start_streams(big, {"late": gen_request([60] * 16, max_new=80, request_id=f"{tag}-late")}, out)
     for t in t0 + threads + t2:
         t.join(120)
     assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
     # Server-side records (see test_sjf_...): finishing order, and how long the
-    # newcomer queued against how long it then ran.
+    # newcomer queued against how long it then ran (80 steps: long enough that
+    # one stall of the router while it joins cannot outlast its run).
     done = {d["request_id"].rsplit("-", 1)[1]: d for d in _finish_order(big, {f"{tag}-b0", f"{tag}-b1", f"{tag}-late"})}
     order = list(done)  # log order
     late = done["late"]
     ran_s = late["e2e_s"] - late["queue_s"]
     if policy == "static":
-        # ~290 batch-of-2 steps left when it arrives against its own 20 steps.
+        # ~290 batch-of-2 steps left when it arrives against its own 80 steps.
         assert order[-1] == "late", f"static: the newcomer waits for the whole batch: {order}"
         assert late["queue_s"] > ran_s, late
     else:
