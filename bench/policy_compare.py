@@ -18,7 +18,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,14 +28,9 @@ import yaml
 
 from cbserve.v1 import generation_pb2 as gpb
 from cbserve.v1 import generation_pb2_grpc as gpb_grpc
+from common.ports import free_port
 
 POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -104,7 +98,7 @@ def run_policy(policy: str, args, reqs) -> dict:
     fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="cbserve-policy-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
-    port, mport = _free_port(), _free_port()
+    port, mport = free_port(), free_port()
     log = open(os.path.join(tempfile.gettempdir(), f"cbserve-policy-{policy}.log"), "w")
     proc = subprocess.Popen(
         [

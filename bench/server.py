@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,11 +20,7 @@ from typing import Any
 import grpc
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common.ports import free_port
 
 
 def cbserve_command() -> list[str]:

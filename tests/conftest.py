@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,14 +14,10 @@ import grpc
 import pytest
 import yaml
 
+from common.ports import free_port  # noqa: F401  (tests import it from here)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("CBSERVE_CACHE_DIR", os.path.join(REPO, ".cache"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def has_smollm2() -> bool:
