@@ -52,6 +52,11 @@ class Delta:
         )
 
 
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _tops(result) -> list:
     """A step result's flat top_logprobs, per sampled sequence: (ids, logprobs) or None."""
     out, at = [], 0
@@ -351,9 +356,12 @@ class Engine:
                     self._expire_deadlines()
                     self._launch_ahead(inflight)
         finally:
+            # Steps still in flight failed with the stream or are abandoned.
+            # A cancelled one may still end with the stream's error (its result
+            # arrived in the same loop turn), so each is retrieved once done:
+            # never logged as "exception was never retrieved".
             for task, _, _ in inflight:
-                if task.done() and not task.cancelled():
-                    task.exception()  # failed with the stream: retrieved, not logged as lost
+                task.add_done_callback(_retrieve)
                 task.cancel()
 
     def _launch(self, out: SchedulerOutput) -> tuple[asyncio.Task, SchedulerOutput, float]:
