@@ -73,14 +73,31 @@ class Structured:
                 self._cache.popitem(last=False)
         return grammar
 
-    def matcher(self, grammar: str):
+    def matcher(self, grammar: str) -> "Matcher":
         """A fresh matcher at the start of `grammar`."""
         import llguidance
 
         m = llguidance.LLMatcher(self._tokenizer(), grammar)
         if m.is_error():
             raise ConstraintError(m.get_error())
-        return m
+        return Matcher(m, 4 * -(-self.vocab_size // 32))
+
+
+class Matcher:
+    """An llguidance matcher whose bitmask covers exactly the model's
+    vocabulary, in 32-bit words, as the plan protocol defines it (llguidance
+    allocates vocab // 32 + 1 words: one too many for a vocabulary that is a
+    multiple of 32, such as SmolLM2's 49,152)."""
+
+    def __init__(self, matcher, mask_bytes: int) -> None:
+        self._m = matcher
+        self.mask_bytes = mask_bytes
+
+    def compute_bitmask(self) -> bytes:
+        return self._m.compute_bitmask()[: self.mask_bytes]
+
+    def __getattr__(self, name: str):
+        return getattr(self._m, name)
 
 
 def _text(spec: gpb.StructuredOutput, kind: str) -> str:
