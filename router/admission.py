@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import grpc
 
@@ -66,6 +67,49 @@ async def admit(
     except RequestError as exc:
         engine.metrics.request_errors.labels(status=exc.code.name).inc()
         raise
+
+
+def siblings(msg: gpb.GenerateRequest, n: int, max_n: int) -> list[tuple[gpb.GenerateRequest, str | None]]:
+    """`n` completions of one prompt as (request, group) pairs: ids
+    `<id>-<j>`, seeds `seed + j` when seeded, and the group (the prompt's
+    request id) by which the scheduler lets one sibling compute the prompt
+    before the others take its blocks from the prefix cache."""
+    if not 1 <= n <= max_n:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"n: must be in [1, {max_n}], got {n}")
+    if n == 1:
+        return [(msg, None)]
+    if not msg.request_id:
+        msg.request_id = uuid.uuid4().hex
+    out = []
+    for j in range(n):
+        sib = gpb.GenerateRequest()
+        sib.CopyFrom(msg)
+        sib.request_id = f"{msg.request_id}-{j}"
+        sib.n = 1
+        if msg.sampling.HasField("seed"):
+            sib.sampling.seed = (msg.sampling.seed + j) % 2**64
+        out.append((sib, msg.request_id))
+    return out
+
+
+async def admit_all(
+    engine: Engine,
+    cfg: RouterConfig,
+    pairs: list[tuple[gpb.GenerateRequest, str | None]],
+    timeout_s: float | None,
+    tenant: str = "default",
+) -> list[RequestHandle]:
+    """Admits every (request, group) pair or none: a refusal aborts the ones
+    already queued and raises."""
+    handles: list[RequestHandle] = []
+    try:
+        for msg, group in pairs:
+            handles.append(await admit(engine, cfg, msg, timeout_s, tenant, group))
+    except RequestError:
+        for h in handles:
+            engine.abort(h.req)
+        raise
+    return handles
 
 
 def refuse(engine: Engine, code: grpc.StatusCode, message: str) -> RequestError:

@@ -25,6 +25,8 @@ from common.config import (
 __all__ = ["KV_CACHE_DTYPES", "CacheConfig", "ConfigError", "RouterConfig", "load_config", "config_from_dict"]
 
 BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic")
+# server.tool_call_parser's values: router/tool_calls.py reads the formats.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 
 
 @dataclass
@@ -69,6 +71,10 @@ class ServerConfig:
     auth_tokens_file: str = ""
     # gRPC server reflection (grpcurl list) on the public port.
     enable_reflection: bool = True
+    # How `tool_choice: auto` finds tool calls in the model's output
+    # (router/tool_calls.py): auto = the format the chat template teaches,
+    # hermes, llama3_json, or none (output is always content).
+    tool_call_parser: str = "auto"
 
 
 @dataclass
@@ -258,6 +264,10 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         raise ConfigError("server.tls_client_ca_file (mTLS) needs server.tls_cert_file and tls_key_file")
     if srv.auth_tokens_file and (srv.auth_token_file or srv.auth_token_env):
         raise ConfigError("server.auth_tokens_file excludes server.auth_token_file and server.auth_token_env")
+    if cfg.server.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(
+            f"server.tool_call_parser: {cfg.server.tool_call_parser!r} is not {'|'.join(TOOL_CALL_PARSERS)}"
+        )
     for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file", "auth_tokens_file"):
         path = getattr(srv, name)
         if path and not os.path.isfile(path):

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -548,3 +548,33 @@ class Engine:
         end = time.monotonic() + 2.0
         while self.handles and time.monotonic() < end:
             await asyncio.sleep(0.02)
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
+    """(index, delta) of every handle as the engine produces them, until each
+    has its final delta."""
+    if len(handles) == 1:
+        while True:
+            d = await handles[0].next()
+            yield 0, d
+            if d.finish is not None:
+                return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
+        while True:
+            d = await h.next()
+            queue.put_nowait((i, d))
+            if d.finish is not None:
+                return
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            i, d = await queue.get()
+            left -= d.finish is not None
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -18,6 +18,7 @@ import socket
 import ssl
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 import grpc
@@ -30,10 +31,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cbserve.v1 import generation_pb2 as gpb
-from router import __version__
-from router.admission import admit, refuse
+from router import __version__, tool_calls
+from router.admission import admit_all, refuse, siblings
 from router.config import RouterConfig
-from router.engine import Delta, Engine, RequestHandle
+from router.engine import Delta, Engine, RequestHandle, merged
 from router.request import Finish
 from router.validation import ROLES, RequestError, prompt_ids
 
@@ -85,6 +86,7 @@ _PARAM = {
     "request_id": "X-Request-Id",
     "priority": "priority",
     "structured": "response_format",
+    "tools": "tools",
 }
 # OpenAI fields cbserve does not implement yet, with the values that ask for
 # nothing beyond the default (besides absent or null). Compared with their
@@ -94,8 +96,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": (),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": (),
     "function_call": (),
 }
@@ -185,9 +185,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionBody(_Body):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallBody(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionBody
+
+
 class MessageBody(_Body):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
 
 class ChatBody(_Common):
@@ -195,17 +209,49 @@ class ChatBody(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeBody(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[MessageBody] | None = None
+    tools: list[dict] | None = None
 
 
 class DetokenizeBody(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+@dataclass
+class ToolUse:
+    """How a chat request's tools shape its output: `mode` is none, auto,
+    required or named (`name` the function); `fmt` the auto format."""
+
+    mode: str
+    functions: dict[str, dict]
+    name: str = ""
+    fmt: str = "none"
+
+    def calls(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        """(content, calls) of a whole output."""
+        if self.mode == "required":
+            calls = tool_calls.calls_from_required(text)
+        elif self.mode == "named":
+            calls = tool_calls.call_from_named(self.name, text)
+        elif self.mode == "auto":
+            content, calls = tool_calls.parse(self.fmt, text, self.functions)
+            return (content or None) if calls else text, calls
+        else:
+            calls = []
+        return (None, calls) if calls else (text, [])
+
+    def finish(self, finish: str | None, calls: list) -> str | None:
+        # OpenAI ends a forced (named) function with "stop", other calls with "tool_calls".
+        return "tool_calls" if calls and self.mode != "named" else finish
 
 
 def _validation_error(exc: ValidationError) -> ApiError:
@@ -302,6 +348,9 @@ class OpenAIApi:
 
     def _check_supported(self, body: _Common) -> None:
         extra = body.model_extra or {}
+        for field in ("tools", "tool_choice"):  # chat fields a completion cannot honour
+            if extra.get(field) is not None:
+                raise self._refused(400, f"{field}: only /v1/chat/completions takes tools", field)
         for field, unused in UNSUPPORTED.items():
             value = extra.get(field)
             if value is None or any(type(value) is type(u) and value == u for u in unused):
@@ -451,18 +500,17 @@ class OpenAIApi:
             raise self._refused(400, msg, found[1][0])
         return found[0][1] if found else None
 
-    async def _admit_all(
-        self, msgs: list[gpb.GenerateRequest], timeout: float | None, tenant: str, groups: list | None = None
-    ) -> list[RequestHandle]:
-        handles: list[RequestHandle] = []
+    async def _admit_all(self, body: _Common, msgs: list[gpb.GenerateRequest], request: HttpRequest) -> list:
+        """Every prompt's `n` completions admitted, or none (OpenAI's choice
+        order: prompt by prompt)."""
         try:
-            for msg, group in zip(msgs, groups or [None] * len(msgs)):
-                handles.append(await admit(self.engine, self.cfg, msg, timeout, tenant, group))
+            pairs = [p for msg in msgs for p in siblings(msg, body.n, self.cfg.limits.max_n)]
         except RequestError as exc:
-            for h in handles:  # all prompts of a request run, or none
-                self.engine.abort(h.req)
+            raise self._refused(400, exc.message, "n") from None
+        try:
+            return await admit_all(self.engine, self.cfg, pairs, self._timeout(request), request.state.tenant)
+        except RequestError as exc:
             raise _from_request_error(exc) from None
-        return handles
 
     @staticmethod
     def _request_id(request: HttpRequest) -> str:
@@ -496,38 +544,54 @@ class OpenAIApi:
                 else:
                     msg.token_ids.ids.extend(p)
             msgs.append(msg)
-        msgs, groups = self._siblings(body, msgs)
-        handles = await self._admit_all(msgs, self._timeout(request), request.state.tenant, groups)
+        handles = await self._admit_all(body, msgs, request)
         return await self._respond(request, body, handles, rid, chat=False)
-
-    def _siblings(self, body: _Common, msgs: list[gpb.GenerateRequest]) -> tuple[list, list]:
-        """`n` copies of each prompt's request (OpenAI's choice order: prompt
-        by prompt), seeds seed + j, and the group each belongs to."""
-        n = body.n
-        if not 1 <= n <= self.cfg.limits.max_n:
-            raise self._refused(400, f"n: must be in [1, {self.cfg.limits.max_n}], got {n}", "n")
-        if n == 1:
-            return msgs, [None] * len(msgs)
-        out, groups = [], []
-        for msg in msgs:
-            for j in range(n):
-                sib = gpb.GenerateRequest()
-                sib.CopyFrom(msg)
-                sib.request_id = f"{msg.request_id}-{j}"
-                if body.seed is not None:
-                    sib.sampling.seed = (body.seed + j) % 2**64
-                out.append(sib)
-                groups.append(msg.request_id)
-        return out, groups
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         body, rid = await self._generation_body(request, ChatBody)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         msg = self._base_msg(body, max_tokens, rid)
-        msg.messages.CopyFrom(_chat_messages(body.messages))
-        msgs, groups = self._siblings(body, [msg])
-        handles = await self._admit_all(msgs, self._timeout(request), request.state.tenant, groups)
-        return await self._respond(request, body, handles, rid, chat=True)
+        msg.messages.CopyFrom(_chat_messages(body.messages, body.tools))
+        tools = self._tool_use(body, msg)
+        handles = await self._admit_all(body, [msg], request)
+        return await self._respond(request, body, handles, rid, chat=True, tools=tools)
+
+    def _tool_use(self, body: ChatBody, msg: gpb.GenerateRequest) -> ToolUse:
+        """The request's tool mode; a forced call becomes the request's
+        structured-output constraint."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise self._refused(400, "tool_choice: needs tools", "tool_choice")
+            return ToolUse("none", {})
+        try:
+            functions = tool_calls.declared(body.tools)
+        except tool_calls.ToolError as exc:
+            raise self._refused(400, str(exc), "tools") from None
+        if choice is None or choice == "auto":
+            fmt = self.cfg.server.tool_call_parser
+            if fmt == "auto":
+                fmt = tool_calls.detect(getattr(self.engine.tokenizer.hf, "chat_template", None))
+            return ToolUse("auto", functions, fmt=fmt)
+        if choice == "none":
+            return ToolUse("none", functions)
+        if choice == "required":
+            use = ToolUse("required", functions)
+            schema = tool_calls.required_schema(functions, body.parallel_tool_calls)
+        else:
+            fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str):
+                msg_ = "tool_choice: none, auto, required or {'type': 'function', 'function': {'name': ...}}"
+                raise self._refused(400, msg_, "tool_choice")
+            if name not in functions:
+                raise self._refused(400, f"tool_choice: {name[:64]!r} is not one of the tools", "tool_choice")
+            use, schema = ToolUse("named", functions, name=name), functions[name]
+        if msg.HasField("structured"):
+            msg_ = "tool_choice: a forced call cannot be combined with another structured-output constraint"
+            raise self._refused(400, msg_, "tool_choice")
+        msg.structured.CopyFrom(gpb.StructuredOutput(json_schema=json.dumps(schema)))
+        return use
 
     async def models(self, request: HttpRequest) -> Response:
         self._authorize(request)
@@ -552,7 +616,7 @@ class OpenAIApi:
         if body.prompt is not None:
             msg.text = body.prompt
         else:
-            msg.messages.CopyFrom(_chat_messages(body.messages))
+            msg.messages.CopyFrom(_chat_messages(body.messages, body.tools))
         eng = self.engine
         try:
             ids = await eng.off_loop(prompt_ids, msg, eng.tokenizer, self.cfg.limits, eng.facts.vocab_size)
@@ -580,13 +644,20 @@ class OpenAIApi:
 
     # -- responses -------------------------------------------------------------------
     async def _respond(
-        self, request: HttpRequest, body: _Common, handles: list[RequestHandle], rid: str, chat: bool
+        self,
+        request: HttpRequest,
+        body: _Common,
+        handles: list[RequestHandle],
+        rid: str,
+        chat: bool,
+        tools: ToolUse | None = None,
     ) -> Response:
         headers = {"x-request-id": rid}
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+        tools = tools or ToolUse("none", {})
         if body.stream:
             opts = body.stream_options or StreamOptions()
-            stream = self._stream(handles, cid, chat, opts.include_usage, opts.continuous_usage_stats)
+            stream = self._stream(handles, cid, chat, opts.include_usage, opts.continuous_usage_stats, tools)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         collect = asyncio.ensure_future(self._collect(handles))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -611,13 +682,12 @@ class OpenAIApi:
             finish = _FINISH.get(d.finish)
             logprobs, _ = self._logprobs_object(d, chat, 0)
             if chat:
+                content, calls = tools.calls(d.text)
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = [c.to_openai() for c in calls]
                 choices.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": d.text},
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                    }
+                    {"index": i, "message": message, "logprobs": logprobs, "finish_reason": tools.finish(finish, calls)}
                 )
             else:
                 choices.append({"index": i, "text": d.text, "logprobs": logprobs, "finish_reason": finish})
@@ -666,12 +736,18 @@ class OpenAIApi:
 
     async def _collect(self, handles: list[RequestHandle]) -> list[Delta]:
         acc = [Delta() for _ in handles]
-        async for i, d in _merged(handles):
+        async for i, d in merged(handles):
             acc[i] = acc[i].merge(d)
         return acc
 
     async def _stream(
-        self, handles: list[RequestHandle], cid: str, chat: bool, include_usage: bool, continuous_usage: bool = False
+        self,
+        handles: list[RequestHandle],
+        cid: str,
+        chat: bool,
+        include_usage: bool,
+        continuous_usage: bool = False,
+        tools: ToolUse | None = None,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = self.model_name()
@@ -685,7 +761,14 @@ class OpenAIApi:
 
         offsets = [0] * len(handles)  # completions' text_offset, per choice
 
-        def choice(i: int, text: str | None, finish: str | None, role: bool = False, d: Delta | None = None) -> dict:
+        def choice(
+            i: int,
+            text: str | None,
+            finish: str | None,
+            role: bool = False,
+            d: Delta | None = None,
+            calls: list[dict] | None = None,
+        ) -> dict:
             logprobs = None
             if d is not None:
                 logprobs, offsets[i] = self._logprobs_object(d, chat, offsets[i])
@@ -693,22 +776,30 @@ class OpenAIApi:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
+                if calls:
+                    delta["tool_calls"] = calls
                 return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
+        calls_out = [_StreamedCalls(tools or ToolUse("none", {})) for _ in handles]
         try:
             if chat:
                 yield event([choice(0, None, None, role=True)])
-            async for i, d in _merged(handles):
+            async for i, d in merged(handles):
                 if d.error is not None:
                     err = _from_request_error(RequestError(*d.error))
                     body = _error_body(err.status, err.message, err.param)
                     yield b"data: " + json.dumps(body).encode("utf-8") + b"\n\n"
                     break
                 if d.text or d.token_ids:  # tokens whose text is still incomplete UTF-8 too
-                    yield event([choice(i, d.text, None, d=d)])
+                    text, calls = calls_out[i].feed(d.text)
+                    yield event([choice(i, text, None, d=d, calls=calls)])
                 if d.finish is not None:
-                    yield event([choice(i, None, _FINISH.get(d.finish))])
+                    text, calls = calls_out[i].finish()
+                    if text or calls:
+                        yield event([choice(i, text, None, calls=calls)])
+                    finish = calls_out[i].use.finish(_FINISH.get(d.finish), calls_out[i].made)
+                    yield event([choice(i, None, finish)])
             else:
                 if include_usage:
                     yield event([], _usage(handles))
@@ -719,13 +810,63 @@ class OpenAIApi:
                     self.engine.abort(h.req)
 
 
-def _chat_messages(messages: list[MessageBody]) -> gpb.ChatMessages:
-    out = gpb.ChatMessages()
+class _StreamedCalls:
+    """One streamed choice's tool calls: what each delta's text becomes
+    (content that can go out, and tool_calls deltas), per tool mode. A named
+    function's arguments stream as they come; `required` calls go out whole
+    at the end (the array is only known to parse then); `auto` holds back
+    only what may be the start of a call."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self.use = use
+        self.buffer = ""
+        self.made: list[tool_calls.ToolCall] = []
+        self.call_id = ""
+        self.auto = tool_calls.AutoStream(use.fmt, use.functions) if use.mode == "auto" else None
+
+    def feed(self, text: str) -> tuple[str, list[dict] | None]:
+        mode = self.use.mode
+        if mode == "named" and text:
+            if not self.call_id:
+                self.made = [tool_calls.ToolCall(self.use.name, "")]
+                self.call_id = self.made[0].id
+                return "", [self.made[0].to_openai(0) | {"function": {"name": self.use.name, "arguments": text}}]
+            return "", [{"index": 0, "function": {"arguments": text}}]
+        if mode == "required":
+            self.buffer += text
+            return "", None
+        if self.auto is not None:
+            return self.auto.feed(text), None
+        return text, None
+
+    def finish(self) -> tuple[str, list[dict] | None]:
+        mode = self.use.mode
+        if mode == "required":
+            self.made = tool_calls.calls_from_required(self.buffer)
+            if not self.made:
+                return self.buffer, None
+        elif self.auto is not None:
+            text, self.made = self.auto.finish()
+            if not self.made:
+                return text, None
+            return text, [c.to_openai(k) for k, c in enumerate(self.made)]
+        else:
+            return "", None
+        return "", [c.to_openai(k) for k, c in enumerate(self.made)]
+
+
+def _chat_messages(messages: list[MessageBody], tools: list[dict] | None = None) -> gpb.ChatMessages:
+    out = gpb.ChatMessages(tools_json=json.dumps(tools) if tools else "")
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise ApiError(400, f"messages[{i}].role: {m.role[:32]!r} is not one of {', '.join(ROLES)}", "messages")
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        out.messages.add(role=m.role, content=content)
+        calls = [
+            gpb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or []
+        ]
+        out.messages.add(
+            role=m.role, content=content, tool_call_id=m.tool_call_id or "", name=m.name or "", tool_calls=calls
+        )
     return out
 
 
@@ -741,36 +882,6 @@ def _usage(handles: list[RequestHandle]) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-
-
-async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
-    """(index, delta) of every handle as the engine produces them, until each
-    has its final delta."""
-    if len(handles) == 1:
-        while True:
-            d = await handles[0].next()
-            yield 0, d
-            if d.finish is not None:
-                return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, h: RequestHandle) -> None:
-        while True:
-            d = await h.next()
-            queue.put_nowait((i, d))
-            if d.finish is not None:
-                return
-
-    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
-    try:
-        left = len(handles)
-        while left:
-            i, d = await queue.get()
-            left -= d.finish is not None
-            yield i, d
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 async def _disconnected(request: HttpRequest) -> None:

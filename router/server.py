@@ -14,10 +14,10 @@ from grpc_reflection.v1alpha import reflection
 from cbserve.v1 import generation_pb2 as gpb
 from cbserve.v1 import generation_pb2_grpc as gpb_grpc
 from router import __version__
-from router.admission import admit, refuse
+from router.admission import admit, admit_all, refuse, siblings
 from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
-from router.engine import Delta, Engine, RequestHandle
+from router.engine import Delta, Engine, RequestHandle, merged
 from router.validation import RequestError, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)
@@ -42,6 +42,18 @@ class GenerationService(gpb_grpc.GenerationServicer):
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
+    async def _admit_n(self, request: gpb.GenerateRequest, context) -> list[RequestHandle]:
+        """The request's `n` completions, all admitted or none."""
+        try:
+            pairs = siblings(request, request.n, self.cfg.limits.max_n)
+        except RequestError as exc:
+            await self._refuse(context, exc.code, exc.message)
+        try:
+            tenant = self.engine.auth.tenant_of_metadata(context.invocation_metadata())
+            return await admit_all(self.engine, self.cfg, pairs, context.time_remaining(), tenant)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+
     @staticmethod
     def _response(rid: str, d: Delta, usage: gpb.Usage | None = None) -> gpb.GenerateResponse:
         resp = gpb.GenerateResponse(request_id=rid, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs)
@@ -63,6 +75,10 @@ class GenerationService(gpb_grpc.GenerationServicer):
 
     # -- RPCs -----------------------------------------------------------------------
     async def Generate(self, request, context):
+        if request.n > 1:
+            async for resp in self._generate_n(request, context):
+                yield resp
+            return
         handle = await self._admit(request, context)
         req = handle.req
         # Every log line of this RPC's task carries the request id.
@@ -83,6 +99,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
                 self.engine.abort(req, _client_gone(req))
 
     async def Complete(self, request, context):
+        if request.n > 1:
+            return await self._complete_n(request, context)
         handle = await self._admit(request, context)
         req = handle.req
         structlog.contextvars.bind_contextvars(request_id=req.request_id, tenant=req.tenant)
@@ -99,6 +117,48 @@ class GenerationService(gpb_grpc.GenerationServicer):
         finally:
             if not handle.done:
                 self.engine.abort(req, _client_gone(req))
+
+    async def _generate_n(self, request, context):
+        handles = await self._admit_n(request, context)
+        rid = request.request_id
+        structlog.contextvars.bind_contextvars(request_id=rid, tenant=handles[0].req.tenant)
+        try:
+            async for i, d in merged(handles):
+                if d.error is not None:
+                    await _abort(context, d.error)
+                last = d.finish is not None
+                if d.token_ids or d.text or last:
+                    resp = self._response(rid, d, self._usage(handles[i].req) if last else None)
+                    resp.index = i
+                    yield resp
+        finally:
+            for h in handles:
+                if not h.done:
+                    self.engine.abort(h.req, _client_gone(h.req))
+
+    async def _complete_n(self, request, context) -> gpb.GenerateResponse:
+        handles = await self._admit_n(request, context)
+        rid = request.request_id
+        structlog.contextvars.bind_contextvars(request_id=rid, tenant=handles[0].req.tenant)
+        acc = [Delta() for _ in handles]
+        try:
+            async for i, d in merged(handles):
+                if d.error is not None:
+                    await _abort(context, d.error)
+                acc[i] = acc[i].merge(d)
+        finally:
+            for h in handles:
+                if not h.done:
+                    self.engine.abort(h.req, _client_gone(h.req))
+        choices = []
+        for i, (h, d) in enumerate(zip(handles, acc)):
+            choices.append(self._response(rid, d, self._usage(h.req)))
+            choices[-1].index = i
+        out = gpb.GenerateResponse()
+        out.CopyFrom(choices[0])
+        out.choices.extend(choices)
+        out.usage.completion_tokens = sum(c.usage.completion_tokens for c in choices)
+        return out
 
     async def Tokenize(self, request, context):
         eng = self.engine

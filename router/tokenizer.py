@@ -52,15 +52,16 @@ class Tokenizer:
         """Text as data: special-token text in it is ordinary characters."""
         return self.plain.encode(text, add_special_tokens=False).ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template's rendering, tokenized so that only the
-        template's own markup can be special tokens: a message whose content
-        holds special-token text (`<|im_end|>`...) cannot forge a turn."""
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """The chat template's rendering (with `tools` when given), tokenized
+        so that only the template's own markup can be special tokens: a
+        message whose content holds special-token text (`<|im_end|>`...)
+        cannot forge a turn."""
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001  (jinja2's TemplateError, or the template's raise_exception)
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc
-        contents = [m["content"] for m in messages]
+        contents = [m["content"] or "" for m in messages]
         if not any(sp in c for c in contents for sp in self.special_strings):
             return self.encode(text)
         ids: list[int] = []

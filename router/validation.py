@@ -3,6 +3,7 @@ failure names the field (INVALID_ARGUMENT) or the limit it broke."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import uuid
@@ -43,14 +44,66 @@ def _messages(msgs, limits: LimitsConfig) -> list[dict[str, str]]:
         raise _invalid("messages: the list is empty")
     if len(msgs.messages) > limits.max_messages:
         raise _invalid(f"messages: more than {limits.max_messages} messages")
-    out = []
+    out: list[dict] = []
     for i, m in enumerate(msgs.messages):
         if m.role not in ROLES:
             raise _invalid(f"messages[{i}].role: {m.role[:32]!r} is not one of {', '.join(ROLES)}")
-        out.append({"role": m.role, "content": m.content})
-    if not any(m["content"] for m in out):
+        msg: dict = {"role": m.role, "content": m.content}
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [_tool_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        out.append(msg)
+    if not any(m["content"] or m.get("tool_calls") for m in out):
         raise _invalid("messages: every message is empty")
     return out
+
+
+def _tool_call(i: int, j: int, c) -> dict:
+    """A call an assistant message made, as chat templates read it: the
+    arguments as the object they are (templates write them with tojson)."""
+    try:
+        args = json.loads(c.arguments or "{}")
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise _invalid(f"messages[{i}].tool_calls[{j}].function.arguments: a JSON object as text")
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}}
+
+
+def _tools(msgs) -> list | None:
+    if not msgs.tools_json:
+        return None
+    try:
+        tools = json.loads(msgs.tools_json)
+    except ValueError as exc:
+        raise _invalid(f"tools: not valid JSON: {exc}") from None
+    if not isinstance(tools, list):
+        raise _invalid("tools: a list of tool definitions")
+    return tools
+
+
+def _chat_chars(msgs) -> int:
+    """What a chat input puts through the template: contents, calls, tools."""
+    n = len(msgs.tools_json)
+    for m in msgs.messages:
+        n += len(m.content) + len(m.tool_call_id) + len(m.name)
+        n += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
+    return n
+
+
+def _no_special_text(msgs, tokenizer: Tokenizer) -> None:
+    """Tool definitions and calls are rendered as JSON inside the template's
+    text, where special-token text would become markup: refused."""
+    texts = [("tools", msgs.tools_json)]
+    for i, m in enumerate(msgs.messages):
+        texts += [(f"messages[{i}].tool_calls", c.name + c.arguments + c.id) for c in m.tool_calls]
+        texts += [(f"messages[{i}].tool_call_id", m.tool_call_id + m.name)]
+    for field, text in texts:
+        if any(sp in text for sp in tokenizer.special_strings):
+            raise _invalid(f"{field}: holds special-token text")
 
 
 def prompt_ids(req, tokenizer: Tokenizer, limits: LimitsConfig, vocab_size: int) -> list[int]:
@@ -65,10 +118,11 @@ def prompt_ids(req, tokenizer: Tokenizer, limits: LimitsConfig, vocab_size: int)
             raise _invalid(f"text: longer than {limits.max_input_chars} characters")
         return tokenizer.encode(req.text)
     if kind == "messages":
-        if sum(len(m.content) for m in req.messages.messages) > limits.max_input_chars:
+        if _chat_chars(req.messages) > limits.max_input_chars:
             raise _invalid(f"messages: longer than {limits.max_input_chars} characters together")
+        _no_special_text(req.messages, tokenizer)
         try:
-            return tokenizer.apply_chat_template(_messages(req.messages, limits))
+            return tokenizer.apply_chat_template(_messages(req.messages, limits), _tools(req.messages))
         except ChatTemplateError as exc:
             raise _invalid(f"messages: {exc}") from None
     ids = list(req.token_ids.ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -175,3 +177,35 @@ def test_concurrent_streams_are_isolated(tiny_server):
         for t in threads:
             t.join(60)
     assert out == alone
+
+
+def test_n_completions_interleave_by_index_and_share_the_prompt(tiny_server):
+    prompt = list(range(5, 60))  # three full 16-token blocks and a partial one
+
+    def req(n, seed, max_new=6):
+        r = gen_request(prompt, max_new=max_new, n=n)
+        r.sampling.CopyFrom(gpb.SamplingParams(temperature=1.0, seed=seed))
+        return r
+
+    hits = "cbserve_prefix_cache_hits_total"
+    before = tiny_server.metrics().get(hits, 0)
+    with tiny_server.channel() as ch:
+        msgs = list(stub(ch).Generate(req(3, 7)))
+        assert tiny_server.metrics().get(hits, 0) - before >= 2 * 48  # siblings took the first one's blocks
+        by_index: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        for m in msgs:
+            by_index[m.index].extend(m.token_ids)
+        finals = {m.index: m for m in msgs if m.finish_reason}
+        assert sorted(finals) == [0, 1, 2] and len({m.request_id for m in msgs}) == 1
+        assert all(f.finish_reason == gpb.LENGTH and f.usage.completion_tokens == 6 for f in finals.values())
+        for j in range(3):  # completion j is the request alone with seed 7 + j
+            assert by_index[j] == list(stub(ch).Complete(req(1, 7 + j)).token_ids)
+        whole = stub(ch).Complete(req(2, 7))
+        assert [c.index for c in whole.choices] == [0, 1]
+        assert [list(c.token_ids) for c in whole.choices] == [by_index[0], by_index[1]]
+        assert list(whole.token_ids) == by_index[0] and whole.usage.completion_tokens == 12
+        assert whole.usage.prompt_tokens == len(prompt)
+        with pytest.raises(grpc.RpcError) as err:
+            stub(ch).Complete(req(9, 7))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n:" in err.value.details()
+    wait_idle(tiny_server)
