@@ -2,9 +2,12 @@
 
 Against one `cbserve serve` (tiny model): one client streams a long
 generation and another checks gRPC health every 50 ms, first alone, then
-while 8 clients keep sending 3.9 MB prompts. Printed per phase: the
-streaming client's inter-token gaps (p50 / p99 / max) and health's latency
-(p50 / p99 / max), and how the big requests ended. Run it twice to compare
+while 8 clients keep sending 3.9 MB prompts. The senders run in a process of
+their own (so the probes' latency is not their own event loop's), at
+`--sender-nice` (on a 2-core machine a nice sender stands in for a load
+generator on another machine; 0 shares the cores evenly). Printed per phase:
+the streaming client's inter-token gaps (p50 / p99 / max) and health's
+latency (p50 / p99 / max), and how the big requests ended. Run it twice to compare
 the default `limits.max_input_chars` (such prompts are refused before any
 tokenization) with a limit above them (tokenized on the tokenizer threads,
 then refused for the context).
@@ -15,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -29,18 +34,47 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def _phase(target: str, big_clients: int, seconds: float) -> dict:
+async def _send(target: str, clients: int, seconds: float) -> dict:
+    """The senders' side: `clients` loops of 3.9 MB Complete requests."""
+    from cbserve.v1 import generation_pb2 as gpb
+    from cbserve.v1 import generation_pb2_grpc as gpb_grpc
+
+    big_text = "word " * (3_900_000 // 5)
+    outcomes: Counter = Counter()
+    end = time.monotonic() + seconds
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        stub = gpb_grpc.GenerationStub(ch)
+
+        async def big() -> None:
+            while time.monotonic() < end:
+                try:
+                    await stub.Complete(gpb.GenerateRequest(text=big_text), timeout=60)
+                    outcomes["OK"] += 1
+                except grpc.aio.AioRpcError as exc:
+                    outcomes[exc.code().name] += 1
+
+        await asyncio.gather(*(big() for _ in range(clients)))
+    return dict(outcomes)
+
+
+async def _phase(target: str, big_clients: int, seconds: float, sender_nice: int = 0) -> dict:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from cbserve.v1 import generation_pb2 as gpb
     from cbserve.v1 import generation_pb2_grpc as gpb_grpc
 
-    big_text = "word " * (3_900_000 // 5)
     gaps: list[float] = []
     health_ms: list[float] = []
-    outcomes: Counter = Counter()
+    sender = None
+    if big_clients:
+        cmd = [sys.executable, "-m", "bench.loop_stall", "--send", target, "--clients", str(big_clients)]
+        sender = subprocess.Popen(
+            [*cmd, "--seconds", str(seconds)],
+            stdout=subprocess.PIPE,
+            preexec_fn=(lambda: os.nice(sender_nice)) if sender_nice else None,
+        )
     end = time.monotonic() + seconds
-    async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+    async with grpc.aio.insecure_channel(target) as ch:
         stub = gpb_grpc.GenerationStub(ch)
         hstub = health_pb2_grpc.HealthStub(ch)
 
@@ -64,22 +98,16 @@ async def _phase(target: str, big_clients: int, seconds: float) -> dict:
                 health_ms.append(1e3 * (time.monotonic() - t0))
                 await asyncio.sleep(0.05)
 
-        async def big() -> None:
-            while time.monotonic() < end:
-                try:
-                    await stub.Complete(gpb.GenerateRequest(text=big_text), timeout=60)
-                    outcomes["OK"] += 1
-                except grpc.aio.AioRpcError as exc:
-                    outcomes[exc.code().name] += 1
-
-        await asyncio.gather(stream(), health(), *(big() for _ in range(big_clients)))
+        await asyncio.gather(stream(), health())
+    outcomes = json.loads(sender.communicate(timeout=120)[0]) if sender is not None else {}
     return {
         "big_clients": big_clients,
+        "sender_nice": sender_nice,
         "itl_ms": {q: round(1e3 * _pct(gaps, p), 2) for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
         "health_ms": {q: round(_pct(health_ms, p), 2) for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
         "health_checks": len(health_ms),
         "tokens": len(gaps),
-        "big_outcomes": dict(outcomes),
+        "big_outcomes": outcomes,
         "mean_itl_ms": round(1e3 * statistics.mean(gaps), 2) if gaps else None,
     }
 
@@ -90,8 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.loop_stall", description=__doc__)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--max-input-chars", type=int, default=0, help="limits.max_input_chars (0: the default)")
+    p.add_argument("--sender-nice", type=int, default=0, help="niceness of the senders' process")
     p.add_argument("--out", default="bench/results/loop_stall.json")
+    p.add_argument("--send", metavar="TARGET", help=argparse.SUPPRESS)  # the senders' process
+    p.add_argument("--clients", type=int, default=8, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.send:
+        sys.stdout.write(json.dumps(asyncio.run(_send(a.send, a.clients, a.seconds))))
+        return 0
     extra = {"server": {"max_receive_message_bytes": 8 << 20}}
     if a.max_input_chars:
         extra["limits"] = {"max_input_chars": a.max_input_chars}
@@ -105,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "max_input_chars": a.max_input_chars or "default",
             "alone": asyncio.run(_phase(server.target, 0, a.seconds)),
-            "with_big_inputs": asyncio.run(_phase(server.target, 8, a.seconds)),
+            "with_big_inputs": asyncio.run(_phase(server.target, 8, a.seconds, a.sender_nice)),
         }
     finally:
         server.stop()
