@@ -17,6 +17,7 @@ class SeqState:
     num_output: int  # tokens sampled so far (seeds the next draw)
     block_table: list[int] = field(default_factory=list)
     allowed: bytes | None = None  # this step's structured-output mask, if any
+    num_prompt: int = 0  # the prompt's length (token_ids beyond it are output)
 
 
 class BatchState:

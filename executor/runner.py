@@ -43,6 +43,21 @@ class StepOutput:
     top: list | None = None
     # (seq_id, reason) of the sequences refused alone (SeqError).
     failed: list | None = None
+    # PromptLogprobs of the sequences that asked and computed prompt tokens.
+    prompt_logprobs: list | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """The logprobs of prompt tokens first, first + 1, ... of one sequence,
+    their ranks, and k alternatives per token ([n, k] ids and logprobs)."""
+
+    seq_id: int
+    first: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @dataclass
@@ -56,6 +71,9 @@ class _Batch:
     sample_seqs: list[int]  # [S]: those rows' sequences, as indices into the scheduled list
     sample_states: list[tuple[int, SeqState]]  # [S]: (seq_id, state) of those sequences
     max_q_len: int  # the longest query of the step
+    # Sequences that want their prompt tokens' logprobs from this step:
+    # (seq_id, state, first row, first prompt position predicted, count).
+    prompt_rows: list[tuple[int, SeqState, int, int, int]]
 
 
 def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
@@ -74,6 +92,8 @@ def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
         min_tokens=s.min_tokens,
         suppress_ids=tuple(s.suppress_ids),
         top_logprobs=s.top_logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+        prompt_top_logprobs=s.prompt_top_logprobs,
     )
 
 
@@ -173,6 +193,7 @@ class ModelRunner:
                 num_computed=new.num_computed_tokens,
                 sampling=_sampling_from_pb(new.sampling),
                 num_output=new.num_output_tokens,
+                num_prompt=len(new.token_ids) - new.num_output_tokens,
             )
             if state.num_computed >= len(state.token_ids) and seq.num_tokens:
                 raise PlanError(f"seq {seq.seq_id}: nothing left to compute")
@@ -207,6 +228,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._top = []  # filled by the sampler for the rows that ask
         self._failed = []  # (seq_id, reason) of sequences refused alone
+        prompt_lps = None
         scheduled = self._apply_plan(plan)
         if not scheduled:
             return StepOutput([], [], None, 0.0, time.perf_counter() - t0, failed=self._failed or None)
@@ -216,13 +238,20 @@ class ModelRunner:
         else:
             batch = self._prepare_inputs(scheduled)
             tf = time.perf_counter()
-            rows = self._run_model(batch)
+            if batch.prompt_rows:
+                hidden = self._run_model(batch, all_rows=True)
+                prompt_lps = self._prompt_logprobs(hidden, batch.prompt_rows)
+                rows = hidden.index_select(0, batch.sample_rows)
+            else:
+                rows = self._run_model(batch)
             for _, n, st in scheduled:
                 st.num_computed += n
             seq_ids, tokens, logprobs = self._sample(rows, batch.sample_states)
         forward = time.perf_counter() - tf
         tops = self._top if any(t is not None for t in self._top) else None
-        return StepOutput(seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, tops, self._failed or None)
+        return StepOutput(
+            seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, tops, self._failed or None, prompt_lps
+        )
 
     def _apply_plan(self, plan: pb.Plan) -> list[tuple[int, int, SeqState]]:
         """Frees, swaps and admits what the plan says; returns the sequences
@@ -303,6 +332,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[int] = []  # their sequences' indices in `scheduled`
         sample_states: list[tuple[int, SeqState]] = []
+        prompt_rows: list[tuple[int, SeqState, int, int, int]] = []
         bs = self.block_size
         max_blocks = 1
         for seq_id, n, st in scheduled:
@@ -320,6 +350,10 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             seq_lens.append(end)
             max_blocks = max(max_blocks, len(table))
+            if st.sampling.prompt_logprobs and start < st.num_prompt - 1:
+                # Row p predicts prompt token p + 1: rows up to the prompt's second-to-last token.
+                count = min(end, st.num_prompt - 1) - start
+                prompt_rows.append((seq_id, st, cu[-2], start + 1, count))
             if end == len(st.token_ids):
                 sample_rows.append(cu[-1] - 1)
                 sample_seqs.append(len(seq_lens) - 1)
@@ -355,10 +389,12 @@ class ModelRunner:
             sample_seqs=sample_seqs,
             sample_states=sample_states,
             max_q_len=max(n for _, n, _ in scheduled),
+            prompt_rows=prompt_rows,
         )
 
-    def _run_model(self, batch: _Batch) -> torch.Tensor:
-        """The final hidden states of the rows that sample, in order."""
+    def _run_model(self, batch: _Batch, all_rows: bool = False) -> torch.Tensor:
+        """The final hidden states of the rows that sample, in order (of
+        every row with `all_rows`)."""
         meta = batch.meta
         num_sampled = len(batch.sample_seqs)
         if self.gpu is not None:
@@ -373,8 +409,9 @@ class ModelRunner:
                 meta.seq_lens,
                 batch.max_q_len,
             )
-            return self.gpu(inputs, self.kv).index_select(0, batch.sample_rows)
-        if self.lean is not None and num_sampled < batch.input_ids.numel():
+            hidden = self.gpu(inputs, self.kv)
+            return hidden if all_rows else hidden.index_select(0, batch.sample_rows)
+        if self.lean is not None and num_sampled < batch.input_ids.numel() and not all_rows:
             # A prompt chunk is in the step: its unsampled rows stop at the
             # last layer's cache write (fast_forward.SampledRows).
             dev = self.device
@@ -399,7 +436,32 @@ class ModelRunner:
                 use_cache=False,
                 cb_meta=meta,
             ).last_hidden_state[0]
-        return hidden.index_select(0, batch.sample_rows)
+        return hidden if all_rows else hidden.index_select(0, batch.sample_rows)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list[PromptLogprobs]:
+        """Each asking sequence's prompt tokens' logprobs from the model's raw
+        distribution (after its own logit finishing, as top_logprobs), their
+        ranks, and the k best alternatives at each position."""
+        out = []
+        for seq_id, st, row, first, count in prompt_rows:
+            raw = self.model.lm_head(hidden[row : row + count])
+            lps = torch.log_softmax(finish_logits(self.config, raw).float(), dim=-1)
+            target = torch.tensor(st.token_ids[first : first + count], dtype=torch.long, device=lps.device)
+            chosen = lps.gather(1, target.unsqueeze(1)).squeeze(1)
+            ranks = (lps > chosen.unsqueeze(1)).sum(dim=1) + 1
+            k = st.sampling.prompt_top_logprobs
+            top = lps.topk(k, dim=-1) if k else None
+            out.append(
+                PromptLogprobs(
+                    seq_id,
+                    first,
+                    chosen.tolist(),
+                    ranks.tolist(),
+                    top.indices.tolist() if top is not None else [[] for _ in range(count)],
+                    top.values.tolist() if top is not None else [[] for _ in range(count)],
+                )
+            )
+        return out
 
     def _sample(
         self, rows: torch.Tensor, sample_states: list[tuple[int, SeqState]]

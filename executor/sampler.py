@@ -44,6 +44,8 @@ class SamplingParams:
     min_tokens: int = 0
     suppress_ids: tuple[int, ...] = ()  # not sampled while fewer than min_tokens are out
     top_logprobs: int = 0  # with logprobs: the k best alternatives too
+    prompt_logprobs: bool = False  # the prompt tokens' own logprobs (runner.ModelRunner._prompt_logprobs)
+    prompt_top_logprobs: int = 0  # and the k best alternatives at each prompt position
 
     @property
     def greedy(self) -> bool:

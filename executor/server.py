@@ -255,6 +255,15 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             result.top_counts.append(len(ids))
             result.top_token_ids.extend(ids)
             result.top_logprobs.extend(lps)
+        for plp in out.prompt_logprobs or []:
+            result.prompt_logprobs.add(
+                seq_id=plp.seq_id,
+                first=plp.first,
+                logprobs=plp.logprobs,
+                ranks=plp.ranks,
+                top_token_ids=[t for row in plp.top_ids for t in row],
+                top_logprobs=[v for row in plp.top_logprobs for v in row],
+            )
         return result
 
     def Reset(self, request, context):

@@ -63,6 +63,11 @@ async def admit(
         # The tenant goes into every block hash under the request's own salt:
         # tenants never share prefix-cache blocks.
         req.cache_salt = f"{tenant}\0{req.cache_salt}"
+        if req.sampling.prompt_logprobs is not None:
+            # Every prompt token's logprob needs its row computed: a salt of
+            # its own keeps the request off cached blocks.
+            req.cache_salt += f"\0prompt-logprobs-{uuid.uuid4().hex}"
+            req.prompt_lps = [None] * (len(req.prompt_token_ids) - 1)
         return _enqueue(engine, cfg, req)
     except RequestError as exc:
         engine.metrics.request_errors.labels(status=exc.code.name).inc()

@@ -39,6 +39,8 @@ class Delta:
     finish: Finish | None = None
     # A gRPC status that ends the stream with an error instead of a finish.
     error: tuple[grpc.StatusCode, str] | None = None
+    # On the final delta of a request that asked: Request.prompt_lps.
+    prompt_logprobs: list | None = None
 
     def merge(self, later: "Delta") -> "Delta":
         """self followed by later (later's finish and error win)."""
@@ -49,7 +51,20 @@ class Delta:
             top=self.top + later.top,
             finish=later.finish,
             error=later.error,
+            prompt_logprobs=later.prompt_logprobs or self.prompt_logprobs,
         )
+
+
+def _store_prompt_logprobs(req: Request | None, plp) -> None:
+    """A step's prompt logprobs into the request's per-position list."""
+    if req is None or req.prompt_lps is None:
+        return
+    k = len(plp.top_token_ids) // max(1, len(plp.logprobs))
+    for j, (lp, rank) in enumerate(zip(plp.logprobs, plp.ranks)):
+        at = plp.first - 1 + j
+        if 0 <= at < len(req.prompt_lps):
+            top = slice(j * k, (j + 1) * k)
+            req.prompt_lps[at] = (lp, rank, list(plp.top_token_ids[top]), list(plp.top_logprobs[top]))
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -333,6 +348,8 @@ class Engine:
                     # in it and start both sides from a clean slate.
                     _LOGGER.error("plan rejected", error=str(exc))
                     raise ExecutorUnavailable(str(exc)) from exc
+                for plp in result.prompt_logprobs:
+                    _store_prompt_logprobs(sched.by_seq.get(plp.seq_id), plp)
                 now = time.perf_counter()
                 events = sched.update(
                     out,
@@ -453,6 +470,7 @@ class Engine:
         if delta.error is None and delta.finish is not None:
             delta = handle.take_held(delta)
             delta.text += handle.detok.take(final=True)
+            delta.prompt_logprobs = req.prompt_lps
         handle.queue.put_nowait(delta)
         now = time.monotonic()
         m = self.metrics

@@ -86,6 +86,7 @@ _PARAM = {
     "request_id": "X-Request-Id",
     "priority": "priority",
     "structured": "response_format",
+    "prompt_logprobs": "prompt_logprobs",
     "tools": "tools",
 }
 # OpenAI fields cbserve does not implement yet, with the values that ask for
@@ -172,6 +173,7 @@ class _Common(_Body):
     ignore_eos: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, k alternatives each
 
 
 class CompletionBody(_Common):
@@ -428,6 +430,7 @@ class OpenAIApi:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             cache_salt=body.cache_salt or "",
+            prompt_logprobs=body.prompt_logprobs,
         )
 
     def _logprobs(self, body: _Common) -> tuple[bool, int]:
@@ -678,7 +681,7 @@ class OpenAIApi:
             raise _from_request_error(RequestError(*error))
         created = int(time.time())
         choices = []
-        for i, d in enumerate(results):
+        for i, (h, d) in enumerate(zip(handles, results)):
             finish = _FINISH.get(d.finish)
             logprobs, _ = self._logprobs_object(d, chat, 0)
             if chat:
@@ -691,6 +694,8 @@ class OpenAIApi:
                 )
             else:
                 choices.append({"index": i, "text": d.text, "logprobs": logprobs, "finish_reason": finish})
+            if d.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs_object(d, h.req.prompt_token_ids)
         obj = {
             "id": cid,
             "object": "chat.completion" if chat else "text_completion",
@@ -733,6 +738,22 @@ class OpenAIApi:
             offset += len(text)
         top = [dict(zip((self._token_text(a) for a in ids), lps)) for ids, lps in d.top] if d.top else None
         return {"tokens": texts, "token_logprobs": d.logprobs, "top_logprobs": top, "text_offset": text_offset}, offset
+
+    def _prompt_logprobs_object(self, d: Delta, prompt: list[int]) -> list:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per
+        token a dict keyed by token id (the prompt token and its k best
+        alternatives) of {logprob, rank, decoded_token}."""
+        out: list = [None]
+        for tok, entry in zip(prompt[1:], d.prompt_logprobs):
+            if entry is None:
+                out.append(None)
+                continue
+            lp, rank, ids, lps = entry
+            item = {str(tok): {"logprob": lp, "rank": rank, "decoded_token": self._token_text(tok)}}
+            for r, (a, b) in enumerate(zip(ids, lps), start=1):
+                item.setdefault(str(a), {"logprob": b, "rank": r, "decoded_token": self._token_text(a)})
+            out.append(item)
+        return out
 
     async def _collect(self, handles: list[RequestHandle]) -> list[Delta]:
         acc = [Delta() for _ in handles]
@@ -799,7 +820,10 @@ class OpenAIApi:
                     if text or calls:
                         yield event([choice(i, text, None, calls=calls)])
                     finish = calls_out[i].use.finish(_FINISH.get(d.finish), calls_out[i].made)
-                    yield event([choice(i, None, finish)])
+                    last = choice(i, None, finish)
+                    if d.prompt_logprobs is not None:
+                        last["prompt_logprobs"] = self._prompt_logprobs_object(d, handles[i].req.prompt_token_ids)
+                    yield event([last])
             else:
                 if include_usage:
                     yield event([], _usage(handles))

@@ -26,6 +26,8 @@ def _sampling(req: Request, eos_token_ids: tuple[int, ...]) -> pb.SeqSampling:
         min_tokens=req.stopping.min_tokens,
         suppress_ids=_suppressed(req, eos_token_ids) if req.stopping.min_tokens else [],
         top_logprobs=s.top_logprobs,
+        prompt_logprobs=s.prompt_logprobs is not None,
+        prompt_top_logprobs=s.prompt_logprobs or 0,
     )
 
 

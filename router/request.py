@@ -39,6 +39,7 @@ class Sampling:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     top_logprobs: int = 0  # with logprobs: the k most likely alternatives too
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with k alternatives each
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class Request:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # With sampling.prompt_logprobs: per prompt position 1.. (index 0 is
+    # position 1) (logprob, rank, top ids, top logprobs), as the executor
+    # reports them; a recomputed prompt overwrites the same entries.
+    prompt_lps: list | None = None
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     # The executor holds this sequence's state (tokens, RNG, block table).

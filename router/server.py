@@ -55,7 +55,9 @@ class GenerationService(gpb_grpc.GenerationServicer):
             await context.abort(exc.code, exc.message)
 
     @staticmethod
-    def _response(rid: str, d: Delta, usage: gpb.Usage | None = None) -> gpb.GenerateResponse:
+    def _response(
+        rid: str, d: Delta, usage: gpb.Usage | None = None, prompt: list[int] | None = None
+    ) -> gpb.GenerateResponse:
         resp = gpb.GenerateResponse(request_id=rid, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs)
         for ids, lps in d.top:
             resp.top_logprobs.add(token_ids=ids, logprobs=lps)
@@ -63,6 +65,10 @@ class GenerationService(gpb_grpc.GenerationServicer):
             resp.finish_reason = d.finish.value
         if usage is not None:
             resp.usage.CopyFrom(usage)
+        if d.prompt_logprobs is not None and prompt is not None:
+            for tok, entry in zip(prompt[1:], d.prompt_logprobs):
+                lp, rank, ids, lps = entry if entry is not None else (float("nan"), 0, [], [])
+                resp.prompt_logprobs.add(token_id=tok, logprob=lp, rank=rank, top_token_ids=ids, top_logprobs=lps)
         return resp
 
     @staticmethod
@@ -91,7 +97,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     await _abort(context, d.error)
                 last = d.finish is not None
                 if d.token_ids or d.text or last:
-                    yield self._response(req.request_id, d, self._usage(req) if last else None)
+                    yield self._response(req.request_id, d, self._usage(req) if last else None, req.prompt_token_ids)
                 if last:
                     return
         finally:
@@ -113,7 +119,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     await _abort(context, d.error)
                 acc = acc.merge(d)
                 if d.finish is not None:
-                    return self._response(req.request_id, acc, self._usage(req))
+                    return self._response(req.request_id, acc, self._usage(req), req.prompt_token_ids)
         finally:
             if not handle.done:
                 self.engine.abort(req, _client_gone(req))
@@ -128,7 +134,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     await _abort(context, d.error)
                 last = d.finish is not None
                 if d.token_ids or d.text or last:
-                    resp = self._response(rid, d, self._usage(handles[i].req) if last else None)
+                    req = handles[i].req
+                    resp = self._response(rid, d, self._usage(req) if last else None, req.prompt_token_ids)
                     resp.index = i
                     yield resp
         finally:
@@ -152,7 +159,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     self.engine.abort(h.req, _client_gone(h.req))
         choices = []
         for i, (h, d) in enumerate(zip(handles, acc)):
-            choices.append(self._response(rid, d, self._usage(h.req)))
+            choices.append(self._response(rid, d, self._usage(h.req), h.req.prompt_token_ids))
             choices[-1].index = i
         out = gpb.GenerateResponse()
         out.CopyFrom(choices[0])

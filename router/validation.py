@@ -254,8 +254,16 @@ def build_request(
     expected = msg.expected_output_tokens if msg.HasField("expected_output_tokens") else None
     if msg.top_logprobs > MAX_TOP_LOGPROBS:
         raise _invalid(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
+    prompt_k = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
+    if prompt_k is not None and prompt_k > MAX_TOP_LOGPROBS:
+        raise _invalid(f"prompt_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_k}")
     sampling = Sampling(
-        **{**sampling.__dict__, "logprobs": msg.logprobs or msg.top_logprobs > 0, "top_logprobs": msg.top_logprobs}
+        **{
+            **sampling.__dict__,
+            "logprobs": msg.logprobs or msg.top_logprobs > 0,
+            "top_logprobs": msg.top_logprobs,
+            "prompt_logprobs": prompt_k,
+        }
     )
     matcher = _matcher(msg, structured) if msg.HasField("structured") else None
     return Request(

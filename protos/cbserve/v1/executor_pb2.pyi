@@ -41,7 +41,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., attention_backend: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class SeqSampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "repetition_penalty", "logprobs", "presence_penalty", "frequency_penalty", "min_p", "logit_bias_ids", "logit_bias_values", "min_tokens", "suppress_ids", "top_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "repetition_penalty", "logprobs", "presence_penalty", "frequency_penalty", "min_p", "logit_bias_ids", "logit_bias_values", "min_tokens", "suppress_ids", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class SeqSampling(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUPPRESS_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -72,7 +74,9 @@ class SeqSampling(_message.Message):
     min_tokens: int
     suppress_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., suppress_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: bool
+    prompt_top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., suppress_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewSeq(_message.Message):
     __slots__ = ("token_ids", "num_computed_tokens", "sampling", "num_output_tokens")
@@ -125,7 +129,7 @@ class Plan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[ScheduledSeq, _Mapping]]] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "step_seconds", "top_counts", "top_token_ids", "top_logprobs", "failed_seq_ids", "failed_reasons")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "step_seconds", "top_counts", "top_token_ids", "top_logprobs", "failed_seq_ids", "failed_reasons", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +141,7 @@ class StepResult(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REASONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -148,7 +153,24 @@ class StepResult(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     failed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     failed_reasons: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failed_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failed_reasons: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("seq_id", "first", "logprobs", "ranks", "top_token_ids", "top_logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    first: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., first: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
