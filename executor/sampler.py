@@ -66,17 +66,6 @@ def uniform_for(seed: int, output_index: int) -> float:
     return random.Random((seed + output_index * _SEED_STRIDE) & _MASK64).random()
 
 
-def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> None:
-    """In place on one row, HF semantics: divide positive logits, multiply
-    negative ones, for every token already in the sequence."""
-    if not token_ids:
-        return
-    idx = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
-    scores = logits.index_select(0, idx)
-    scores = torch.where(scores > 0, scores / penalty, scores * penalty)
-    logits.index_copy_(0, idx, scores)
-
-
 def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Masks (to -inf) what top-k and top-p exclude, row by row, batched."""
     vocab = x.shape[-1]
@@ -122,22 +111,24 @@ def process_logits(
     if bias:
         rows, cols, vals = zip(*bias)
         x.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals, dtype=x.dtype), accumulate=True)
-    for i, (p, h) in enumerate(zip(params, histories)):
-        if p.repetition_penalty != 1.0 and h:
-            apply_repetition_penalty(x[i], h, p.repetition_penalty)
+    flat_x = x.view(-1)
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and histories[i]]
+    if rep:
+        # Sparse: only the tokens each row has seen, as flat indices row * V + token.
+        where, _ = _seen(vocab, rep, [histories[i] for i in rep])
+        penalty = torch.tensor([params[i].repetition_penalty for i in range(len(params))], dtype=x.dtype)
+        per = penalty.index_select(0, where // vocab)
+        v = flat_x.index_select(0, where)
+        flat_x.index_copy_(0, where, torch.where(v > 0, v / per, v * per))
     pen = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and histories[i]]
     if pen:
         outs = [histories[i][len(histories[i]) - output_indices[i] :] if output_indices[i] else [] for i in pen]
-        counts = torch.zeros(len(pen), vocab, dtype=x.dtype)
-        lens = torch.tensor([len(o) for o in outs])
-        if int(lens.sum()):
-            row = torch.repeat_interleave(torch.arange(len(pen)), lens)
-            tok = torch.tensor([t for o in outs for t in o])
-            counts.index_put_((row, tok), torch.ones(len(tok), dtype=x.dtype), accumulate=True)
-        freq = torch.tensor([[params[i].frequency_penalty] for i in pen], dtype=x.dtype)
-        pres = torch.tensor([[params[i].presence_penalty] for i in pen], dtype=x.dtype)
-        idx = torch.tensor(pen)
-        x[idx] = x[idx] - freq * counts - pres * (counts > 0).to(x.dtype)
+        where, counts = _seen(vocab, pen, outs)
+        if where.numel():
+            rows = where // vocab
+            freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype).index_select(0, rows)
+            pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype).index_select(0, rows)
+            flat_x.index_add_(0, where, -(freq * counts.to(x.dtype) + pres))
     held = [
         (i, t) for i, p in enumerate(params) if output_indices[i] < p.min_tokens for t in p.suppress_ids if t < vocab
     ]
@@ -145,6 +136,16 @@ def process_logits(
         rows, cols = zip(*held)
         x.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(float("-inf"), dtype=x.dtype))
     return x
+
+
+def _seen(vocab: int, rows: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) pairs of `tokens[j]` in row `rows[j]`, as
+    flat indices row * vocab + token (ascending), and how often each occurs."""
+    lens = torch.tensor([len(t) for t in tokens])
+    row = torch.repeat_interleave(torch.tensor(rows), lens)
+    tok = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
+    keep = tok < vocab  # a logits row narrower than the tokenizer: nothing to penalise there
+    return torch.unique(row[keep] * vocab + tok[keep], return_counts=True)
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:

@@ -106,11 +106,13 @@ def test_native_greedy_matches_torch_max_with_ties_inf_and_nan(dtype):
 
 
 def _reference_processed(logits, p: SamplingParams, history: list[int], num_output: int):
-    """One row, the slow way: bias, OpenAI penalties over the output tokens,
-    min-tokens suppression."""
+    """One row, the slow way: bias, HF's repetition penalty over the whole
+    sequence, OpenAI penalties over the output tokens, min-tokens suppression."""
     x = logits.clone()
     for t, b in zip(p.logit_bias_ids, p.logit_bias_values):
         x[t] += b
+    for t in set(history):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
     out = history[len(history) - num_output :] if num_output else []
     for t in set(out):
         x[t] -= p.presence_penalty + p.frequency_penalty * out.count(t)
@@ -124,7 +126,7 @@ def test_bias_penalties_and_min_tokens_match_a_row_by_row_reference():
     from executor.sampler import process_logits
 
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(6, 40, generator=g) * 2
+    logits = torch.randn(8, 40, generator=g) * 2
     params = [
         SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
         SamplingParams(),  # untouched in the company of the others
@@ -132,9 +134,11 @@ def test_bias_penalties_and_min_tokens_match_a_row_by_row_reference():
         SamplingParams(min_tokens=4, suppress_ids=(1, 2)),
         SamplingParams(min_tokens=2, suppress_ids=(1,), frequency_penalty=-1.5),  # past its minimum
         SamplingParams(presence_penalty=-2.0, logit_bias_ids=(7,), logit_bias_values=(2.5,)),
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.4),
+        SamplingParams(repetition_penalty=0.8),
     ]
     histories = [torch.randint(0, 40, (20,), generator=g).tolist() for _ in params]
-    num_output = [8, 3, 0, 2, 5, 12]
+    num_output = [8, 3, 0, 2, 5, 12, 7, 0]
     got = process_logits(logits, params, histories, num_output)
     for i, p in enumerate(params):
         want = _reference_processed(logits[i], p, histories[i], num_output[i])
