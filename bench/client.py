@@ -57,8 +57,11 @@ async def _one(
     temperature: float,
     timeout_s: float,
     prefix: str,
+    shape: Callable | None = None,
 ) -> None:
     msg = build_request(req, ignore_eos=ignore_eos, temperature=temperature, request_id_prefix=prefix)
+    if shape is not None:
+        shape(msg, req.index)
     rec.send_s = time.perf_counter() - t0
     try:
         call = stub.Generate(msg, timeout=timeout_s)
@@ -110,9 +113,11 @@ async def run_grpc_workload(
     desc: str = "cbserve",
     prefix: str = "bench",
     on_done: Callable[[RequestRecord], None] | None = None,
+    shape: Callable | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Runs the workload against `target` (host:port). Returns the records and
-    the measured duration (first send -> last response)."""
+    the measured duration (first send -> last response). `shape(msg, index)`
+    may change each GenerateRequest before it is sent."""
     spec = workload.spec
     conc = concurrency or spec.concurrency
     sem = asyncio.Semaphore(conc) if conc else None
@@ -136,6 +141,7 @@ async def run_grpc_workload(
                     temperature=temperature,
                     timeout_s=timeout_s,
                     prefix=prefix,
+                    shape=shape,
                 )
             if bar is not None:
                 bar.update(1)

@@ -87,8 +87,12 @@ class CbserveServer:
         config_overrides: dict[str, Any] | None = None,
         extra_args: list[str] | None = None,
         device: str = "cpu",
+        tree: Path | None = None,
     ):
-        self.workdir = Path(workdir)
+        # tree: another checkout of cbserve (native extensions built in place)
+        # whose router and executor run instead of this one's.
+        self.tree = Path(tree).resolve() if tree is not None else None
+        self.workdir = Path(workdir).resolve()
         self.device = device
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.policy = policy
@@ -139,12 +143,15 @@ class CbserveServer:
             cmd += ["--model", self.model]
         cmd += self.extra_args
         env = dict(os.environ)
+        cwd = Path(__file__).resolve().parents[1]
+        if self.tree is not None:
+            cmd = [sys.executable, "-m", "router.cli", *cmd[len(cbserve_command()) :]]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.tree), env.get("PYTHONPATH")]))
+            cwd = self.tree
         self.cmd = cmd
         log = open(self.log_path, "w")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(Path(__file__).resolve().parents[1])
-        )
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(cwd))
         log.close()
         deadline = t0 + self.ready_timeout_s
         while time.perf_counter() < deadline:
