@@ -21,7 +21,7 @@ import structlog
 import torch
 
 from cbserve.v1 import executor_pb2 as pb
-from executor import attention
+from executor import attention, rope
 from executor.batch_state import BatchState, SeqState
 from executor.cpu import fast_forward
 from executor.errors import PlanError, SeqError
@@ -74,6 +74,8 @@ class _Batch:
     # Sequences that want their prompt tokens' logprobs from this step:
     # (seq_id, state, first row, first prompt position predicted, count).
     prompt_rows: list[tuple[int, SeqState, int, int, int]]
+    # Per token, the length that picks its longrope frequencies (else None).
+    rope_lengths: torch.Tensor | None = None
 
 
 def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
@@ -119,6 +121,8 @@ class ModelRunner:
         self.backend = attention_backend
         self.ops = attention.backend_ops(attention_backend)
         model.set_attn_implementation(attention.register())
+        # Phi-3's longrope, its frequency set chosen per token (executor/rope.py).
+        self.longrope = rope.install(model)
         if prepack:  # bf16 on AVX-512 bf16 CPUs; a no-op elsewhere
             from executor.cpu.fused_modules import fuse_llama_blocks
             from executor.cpu.packed_linear import prepack_linears
@@ -390,13 +394,25 @@ class ModelRunner:
             sample_states=sample_states,
             max_q_len=max(n for _, n, _ in scheduled),
             prompt_rows=prompt_rows,
+            rope_lengths=self._rope_lengths(scheduled) if self.longrope is not None else None,
         )
+
+    def _rope_lengths(self, scheduled: list[tuple[int, int, SeqState]]) -> torch.Tensor:
+        """Per scheduled token, the length a one-sequence forward would see
+        when it computes that token: the whole prompt for prompt tokens, the
+        position + 1 after it (executor/rope.py)."""
+        out: list[int] = []
+        for _, n, st in scheduled:
+            out.extend(max(st.num_prompt, p + 1) for p in range(st.num_computed, st.num_computed + n))
+        return torch.tensor(out, dtype=torch.long, device=self.device)
 
     def _run_model(self, batch: _Batch, all_rows: bool = False) -> torch.Tensor:
         """The final hidden states of the rows that sample, in order (of
         every row with `all_rows`)."""
         meta = batch.meta
         num_sampled = len(batch.sample_seqs)
+        if self.longrope is not None:
+            self.longrope.set_lengths(batch.rope_lengths)
         if self.gpu is not None:
             from executor.gpu.lean_forward import StepInputs
 

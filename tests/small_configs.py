@@ -23,3 +23,15 @@ SMALL = dict(
 def small(**overrides) -> dict:
     """SMALL with `overrides` (a config's own keys on top)."""
     return {**SMALL, **overrides}
+
+
+def longrope(half_dim: int, original: int) -> dict:
+    """Phi-3 style longrope parameters for a head of 2 * half_dim: short
+    factors up to `original` positions, clearly different long ones beyond."""
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.1 * i for i in range(half_dim)],
+        "long_factor": [2.0 + 0.5 * i for i in range(half_dim)],
+        "original_max_position_embeddings": original,
+    }

@@ -18,7 +18,7 @@ import torch
 from router.tokenizer import build_tiny_tokenizer
 from tests.conftest import start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
-from tests.small_configs import SMALL
+from tests.small_configs import SMALL, longrope
 
 NEW = 12
 COMMON = SMALL
@@ -66,7 +66,28 @@ def _granite():
     return GraniteForCausalLM(cfg)
 
 
-ARCHS = {"mistral": _mistral, "qwen2": _qwen2, "gemma2": _gemma2, "gemma3": _gemma3, "granite": _granite}
+def _phi3():
+    # longrope: short factors up to 64 positions, long ones beyond. The 97-
+    # and 150-token prompts are prefilled in 64-token chunks beside others;
+    # every chunk must take the long factors, as a one-shot prefill does.
+    # (No prompt here crosses 64 while decoding: generate() then recomputes
+    # the whole cache, which cbserve does not; see docs/api.md.)
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(
+        **{**COMMON, "head_dim": 32}, original_max_position_embeddings=64, rope_parameters=longrope(16, 64)
+    )
+    return Phi3ForCausalLM(cfg)
+
+
+ARCHS = {
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "granite": _granite,
+    "phi3": _phi3,
+}
 
 
 def _checkpoint(tmp_path, name):
