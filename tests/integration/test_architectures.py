@@ -4,7 +4,9 @@ Each test writes a tiny random checkpoint (no download) whose config makes
 its feature matter: sliding windows of 16 tokens with prompts several windows
 long (Mistral, Qwen2, Gemma 2's alternating layers, Gemma 3), attention and
 final-logit soft caps small enough to bend the scores (Gemma 2), Granite's
-logits scaling and multipliers. Greedy tokens in fp32 through `cbserve
+logits scaling and multipliers, Phi-3's longrope over chunked prompts, the
+q/k norms of Qwen3 and OLMo 2, and the experts of Mixtral and Qwen2-MoE (on
+the transformers forward). Greedy tokens in fp32 through `cbserve
 serve` (several concurrent prompts, a token budget that chunks the prefills)
 equal `generate(do_sample=False)`; logprobs equal the model's own
 log-softmax where the architecture post-processes its logits.
@@ -80,6 +82,34 @@ def _phi3():
     return Phi3ForCausalLM(cfg)
 
 
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**COMMON))  # per-head q/k RMSNorm
+
+
+def _olmo2():
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(**COMMON))  # q/k norms over all heads, norms after attention and MLP
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    return MixtralForCausalLM(cfg)
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128
+    )
+    return Qwen2MoeForCausalLM(cfg)
+
+
 ARCHS = {
     "mistral": _mistral,
     "qwen2": _qwen2,
@@ -87,6 +117,10 @@ ARCHS = {
     "gemma3": _gemma3,
     "granite": _granite,
     "phi3": _phi3,
+    "qwen3": _qwen3,
+    "olmo2": _olmo2,
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
 }
 
 
