@@ -112,6 +112,35 @@ async def _phase(target: str, big_clients: int, seconds: float, sender_nice: int
     }
 
 
+_TIMES = ("cbserve_iteration_seconds", "cbserve_executor_step_seconds", "cbserve_executor_forward_seconds")
+
+
+def _sums(metrics_url: str) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name.removesuffix("_sum").removesuffix("_count") in _TIMES and smp.name.endswith(("_sum", "_count")):
+                out[smp.name] = smp.value
+    return out
+
+
+def _means(before: dict, after: dict) -> dict[str, float]:
+    """Each histogram's mean (ms) over what was observed between two scrapes."""
+    out = {}
+    for name in _TIMES:
+        n = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+        if n:
+            total = after[f"{name}_sum"] - before.get(f"{name}_sum", 0)
+            out[name.removeprefix("cbserve_").removesuffix("_seconds") + "_mean_ms"] = round(1e3 * total / n, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.server import CbserveServer
 
@@ -136,11 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     server.start()
     try:
-        result = {
-            "max_input_chars": a.max_input_chars or "default",
-            "alone": asyncio.run(_phase(server.target, 0, a.seconds)),
-            "with_big_inputs": asyncio.run(_phase(server.target, 8, a.seconds, a.sender_nice)),
-        }
+        result = {"max_input_chars": a.max_input_chars or "default"}
+        for name, clients in (("alone", 0), ("with_big_inputs", 8)):
+            before = _sums(server.metrics_url)
+            result[name] = asyncio.run(_phase(server.target, clients, a.seconds, a.sender_nice))
+            # Where a step's time went: the whole iteration (router), the
+            # executor's step and its forward, as means over the phase.
+            result[name]["steps"] = _means(before, _sums(server.metrics_url))
     finally:
         server.stop()
     out.write_text(json.dumps(result, indent=1))
@@ -149,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(
             f"{name:16s} ITL p50/p99/max {r['itl_ms']['p50']}/{r['itl_ms']['p99']}/{r['itl_ms']['max']} ms; "
             f"health p50/p99/max {r['health_ms']['p50']}/{r['health_ms']['p99']}/{r['health_ms']['max']} ms; "
-            f"big requests {r['big_outcomes']}\n"
+            f"big requests {r['big_outcomes']}; steps {r['steps']}\n"
         )
     return 0
 
