@@ -20,9 +20,11 @@ the transformers forward. With the 'torch' attention backend the rotated k
 and v go through that backend's reshape_and_cache instead (rope_split), so
 the reference backend stays a reference for the cache write too. Used only
 where `fuse_llama_blocks` applied (bf16 on AVX-512 bf16 CPUs) and the model
-is a Llama, a Mistral or a Qwen2 (what they add to Llama: q/k/v biases,
-folded into the fused projection, and per-layer sliding windows, handed to
-the attention); otherwise the runner calls the transformers model with the
+is a Llama, a Mistral, a Qwen2 or a Qwen3 (what they add to Llama: q/k/v
+biases, folded into the fused projection; per-layer sliding windows, handed
+to the attention; Qwen3's per-head q/k RMSNorm, applied to the fused
+projection's q and k before the rotary pass, rounded as Qwen3RMSNorm
+rounds); otherwise the runner calls the transformers model with the
 registered paged-attention function.
 
 Given the rows that sample (`SampledRows`), the last layer computes q, k and v
@@ -73,6 +75,8 @@ class _Layer:
     o_proj: Callable[[torch.Tensor], torch.Tensor]
     act: Callable[[torch.Tensor], torch.Tensor]  # silu(gate(h)) * up(h)
     down: Callable[[torch.Tensor], torch.Tensor]
+    # Qwen3's q/k norms (_qk_norm), or None.
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
 
 def _fused_qkv(attn: torch.nn.Module) -> PackedLinear:
@@ -98,6 +102,7 @@ class LeanLlamaForward:
 
         cfg = model.config
         self._add_rms_norm = fused.add_rms_norm
+        self._rms_norm = fused.rms_norm
         self._rope_split = fused.rope_split
         self._rope_cache = fused.rope_cache
         from native import _C
@@ -121,6 +126,7 @@ class LeanLlamaForward:
                 layer.self_attn.o_proj.forward,
                 layer.mlp.act,
                 layer.mlp.down.forward,
+                _qk_norm(layer.self_attn),
             )
             for i, layer in enumerate(inner.layers)
         ]
@@ -153,10 +159,13 @@ class LeanLlamaForward:
             else:
                 h = self._add_rms_norm(x, residual, L.in_norm.weight, L.in_norm.eps)
             kc, vc = cache.key[L.index], cache.value[L.index]
+            qkv = L.qkv(h)
+            if L.qk_norm is not None:
+                self._norm_heads(qkv, L.qk_norm)
             if fused_write:
-                q = self._rope_cache(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim, kc, vc, meta.slot_mapping)
+                q = self._rope_cache(qkv, cos, sin, self.hq, self.hkv, self.head_dim, kc, vc, meta.slot_mapping)
             else:
-                q, k, v = self._rope_split(L.qkv(h), cos, sin, self.hq, self.hkv, self.head_dim)
+                q, k, v = self._rope_split(qkv, cos, sin, self.hq, self.hkv, self.head_dim)
                 write_kv(k, v, kc, vc, meta.slot_mapping)
             at = meta
             if sampled is not None and L.index == last:
@@ -175,10 +184,35 @@ class LeanLlamaForward:
             return self.final_norm(residual)
         return self._add_rms_norm(x, residual, self.final_norm.weight, self.final_norm.eps)
 
+    def _norm_heads(self, qkv: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]) -> None:
+        """Qwen3's q_norm / k_norm in place on the fused projection's q and k
+        heads (adjacent in it): the native RMSNorm over each head's dim with
+        unit weight (the normalised value rounded to the activations' dtype,
+        times 1), then times each head's weight into the projection. That is
+        Qwen3RMSNorm's rounding: weight * round(x * rsqrt(mean(x^2) + eps))."""
+        d, t, heads = self.head_dim, qkv.shape[0], self.hq + self.hkv
+        qk = qkv[:, : heads * d].view(t, heads, d)
+        weights, ones, eps = norm
+        normed = self._rms_norm(qk.reshape(-1, d), ones, eps).view(t, heads, d)
+        torch.mul(normed, weights, out=qk)
 
-# Architectures whose decoder layer is Llama's up to q/k/v biases and
-# sliding windows.
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+
+# Architectures whose decoder layer is Llama's up to q/k/v biases, sliding
+# windows and per-head q/k norms.
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _qk_norm(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(per-head weights [hq + hkv, head_dim]: q_norm's for the q heads,
+    k_norm's for the k heads; a unit weight [head_dim]; eps), or None
+    without q/k norms."""
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if qn is None or kn is None:
+        return None
+    cfg = attn.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    weights = torch.cat([qn.weight.detach().expand(hq, -1), kn.weight.detach().expand(hkv, -1)], 0).contiguous()
+    return weights, torch.ones_like(qn.weight.detach()), float(qn.variance_epsilon)
 
 
 def _window(cfg, attn: torch.nn.Module) -> int:

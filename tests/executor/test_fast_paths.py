@@ -185,9 +185,17 @@ def test_greedy_lm_head_argmax_gives_the_tokens_of_logits_then_argmax(monkeypatc
 
 
 def _llama_like(kind: str) -> torch.nn.Module:
-    """A tiny random Mistral (window 16) or Qwen2 (q/k/v biases, windows on
-    its upper layers) in bf16, weights sharpened so windows change tokens."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A tiny random Mistral (window 16), Qwen2 (q/k/v biases, windows on
+    its upper layers) or Qwen3 (per-head q/k norms) in bf16, weights
+    sharpened so windows change tokens."""
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     from tests.small_configs import small
 
@@ -195,6 +203,8 @@ def _llama_like(kind: str) -> torch.nn.Module:
     torch.manual_seed(1)
     if kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**small()))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=2))
     with torch.no_grad():
@@ -204,8 +214,8 @@ def _llama_like(kind: str) -> torch.nn.Module:
 
 
 @needs_bf16
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
-def test_lean_forward_runs_mistral_and_qwen2_like_their_transformers_forward(kind):
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
+def test_lean_forward_runs_mistral_qwen2_and_qwen3_like_their_transformers_forward(kind):
     import copy
 
     from executor.cpu.fast_forward import build
@@ -216,6 +226,25 @@ def test_lean_forward_runs_mistral_and_qwen2_like_their_transformers_forward(kin
     hf = ModelRunner(copy.deepcopy(model), 16, 64, lean_forward=False)
     assert lean.lean is not None and hf.lean is None
     windows = [L.window for L in lean.lean.layers]
-    assert windows == ([16] * 4 if kind == "mistral" else [0, 0, 16, 16])
+    assert windows == {"mistral": [16] * 4, "qwen2": [0, 0, 16, 16], "qwen3": [0] * 4}[kind]
+    assert all((L.qk_norm is not None) == (kind == "qwen3") for L in lean.lean.layers)
     _assert_greedy_agrees(greedy(lean, prompts, 12), greedy(hf, prompts, 12))
     assert build(_llama_like(kind).float()) is None  # fp32: no fused modules, the transformers forward
+
+
+@needs_bf16
+def test_the_lean_q_k_norm_is_qwen3s_per_head_norm_bit_for_bit():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    import native._fused as fused
+
+    torch.manual_seed(0)
+    norm = Qwen3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    norm = norm.to(torch.bfloat16)
+    heads = (torch.randn(37 * 9, 64) * 3).to(torch.bfloat16)  # 37 tokens x 9 heads
+    assert torch.equal(fused.rms_norm(heads, norm.weight, 1e-6), norm(heads))
+    # What _norm_heads does: unit weight in the kernel, then the weight.
+    unit = fused.rms_norm(heads, torch.ones_like(norm.weight), 1e-6)
+    assert torch.equal(unit * norm.weight, norm(heads))
