@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from cbserve.v1 import generation_pb2 as gpb
 from cbserve.v1 import generation_pb2_grpc as gpb_grpc
 from router import __version__
-from router.admission import admit, admit_all, refuse, siblings
+from router.admission import admit_all, refuse, siblings
 from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle, merged
@@ -35,24 +35,30 @@ class GenerationService(gpb_grpc.GenerationServicer):
         refuse(self.engine, code, message)
         await context.abort(code, message)
 
-    async def _admit(self, request: gpb.GenerateRequest, context) -> RequestHandle:
+    async def _admit(self, request: gpb.GenerateRequest, context, event: str) -> tuple[str, list[RequestHandle]]:
+        """The request's id and its `n` completions (one unless it asks for
+        more), all admitted or none."""
         try:
-            tenant = self.engine.auth.tenant_of_metadata(context.invocation_metadata())
-            return await admit(self.engine, self.cfg, request, context.time_remaining(), tenant)
-        except RequestError as exc:
-            await context.abort(exc.code, exc.message)
-
-    async def _admit_n(self, request: gpb.GenerateRequest, context) -> list[RequestHandle]:
-        """The request's `n` completions, all admitted or none."""
-        try:
-            pairs = siblings(request, request.n, self.cfg.limits.max_n)
+            pairs = siblings(request, request.n or 1, self.cfg.limits.max_n)
         except RequestError as exc:
             await self._refuse(context, exc.code, exc.message)
         try:
             tenant = self.engine.auth.tenant_of_metadata(context.invocation_metadata())
-            return await admit_all(self.engine, self.cfg, pairs, context.time_remaining(), tenant)
+            handles = await admit_all(self.engine, self.cfg, pairs, context.time_remaining(), tenant)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
+        req = handles[0].req
+        # `siblings` named a group's id; a single request may have had one assigned.
+        rid = request.request_id or req.request_id
+        # Every log line of this RPC's task carries the request id.
+        structlog.contextvars.bind_contextvars(request_id=rid, tenant=req.tenant)
+        _LOGGER.debug(event, prompt_tokens=len(req.prompt_token_ids), n=len(handles))
+        return rid, handles
+
+    def _abort_unfinished(self, handles: list[RequestHandle]) -> None:
+        for h in handles:
+            if not h.done:  # client cancelled, disconnected or hit its deadline
+                self.engine.abort(h.req, _client_gone(h.req))
 
     @staticmethod
     def _response(
@@ -81,53 +87,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
 
     # -- RPCs -----------------------------------------------------------------------
     async def Generate(self, request, context):
-        if request.n > 1:
-            async for resp in self._generate_n(request, context):
-                yield resp
-            return
-        handle = await self._admit(request, context)
-        req = handle.req
-        # Every log line of this RPC's task carries the request id.
-        structlog.contextvars.bind_contextvars(request_id=req.request_id, tenant=req.tenant)
-        _LOGGER.debug("generate started", prompt_tokens=len(req.prompt_token_ids))
-        try:
-            while True:
-                d = await handle.next()
-                if d.error is not None:
-                    await _abort(context, d.error)
-                last = d.finish is not None
-                if d.token_ids or d.text or last:
-                    yield self._response(req.request_id, d, self._usage(req) if last else None, req.prompt_token_ids)
-                if last:
-                    return
-        finally:
-            if not handle.done:  # client cancelled, disconnected or hit its deadline
-                self.engine.abort(req, _client_gone(req))
-
-    async def Complete(self, request, context):
-        if request.n > 1:
-            return await self._complete_n(request, context)
-        handle = await self._admit(request, context)
-        req = handle.req
-        structlog.contextvars.bind_contextvars(request_id=req.request_id, tenant=req.tenant)
-        _LOGGER.debug("complete started", prompt_tokens=len(req.prompt_token_ids))
-        acc = Delta()
-        try:
-            while True:
-                d = await handle.next()
-                if d.error is not None:
-                    await _abort(context, d.error)
-                acc = acc.merge(d)
-                if d.finish is not None:
-                    return self._response(req.request_id, acc, self._usage(req), req.prompt_token_ids)
-        finally:
-            if not handle.done:
-                self.engine.abort(req, _client_gone(req))
-
-    async def _generate_n(self, request, context):
-        handles = await self._admit_n(request, context)
-        rid = request.request_id
-        structlog.contextvars.bind_contextvars(request_id=rid, tenant=handles[0].req.tenant)
+        rid, handles = await self._admit(request, context, "generate started")
         try:
             async for i, d in merged(handles):
                 if d.error is not None:
@@ -139,14 +99,10 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     resp.index = i
                     yield resp
         finally:
-            for h in handles:
-                if not h.done:
-                    self.engine.abort(h.req, _client_gone(h.req))
+            self._abort_unfinished(handles)
 
-    async def _complete_n(self, request, context) -> gpb.GenerateResponse:
-        handles = await self._admit_n(request, context)
-        rid = request.request_id
-        structlog.contextvars.bind_contextvars(request_id=rid, tenant=handles[0].req.tenant)
+    async def Complete(self, request, context):
+        rid, handles = await self._admit(request, context, "complete started")
         acc = [Delta() for _ in handles]
         try:
             async for i, d in merged(handles):
@@ -154,13 +110,13 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     await _abort(context, d.error)
                 acc[i] = acc[i].merge(d)
         finally:
-            for h in handles:
-                if not h.done:
-                    self.engine.abort(h.req, _client_gone(h.req))
+            self._abort_unfinished(handles)
         choices = []
         for i, (h, d) in enumerate(zip(handles, acc)):
             choices.append(self._response(rid, d, self._usage(h.req), h.req.prompt_token_ids))
             choices[-1].index = i
+        if len(choices) == 1:
+            return choices[0]
         out = gpb.GenerateResponse()
         out.CopyFrom(choices[0])
         out.choices.extend(choices)
