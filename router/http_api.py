@@ -864,19 +864,15 @@ class _StreamedCalls:
         return text, None
 
     def finish(self) -> tuple[str, list[dict] | None]:
-        mode = self.use.mode
-        if mode == "required":
-            self.made = tool_calls.calls_from_required(self.buffer)
-            if not self.made:
-                return self.buffer, None
+        """What is still to send when the output ends: content, and the
+        calls (None when none)."""
+        if self.use.mode == "required":  # the whole buffered output, as a non-streamed response reads it
+            text, self.made = self.use.calls(self.buffer)
         elif self.auto is not None:
             text, self.made = self.auto.finish()
-            if not self.made:
-                return text, None
-            return text, [c.to_openai(k) for k, c in enumerate(self.made)]
-        else:
+        else:  # none and named send everything as it comes
             return "", None
-        return "", [c.to_openai(k) for k, c in enumerate(self.made)]
+        return text or "", [c.to_openai(k) for k, c in enumerate(self.made)] or None
 
 
 def _chat_messages(messages: list[MessageBody], tools: list[dict] | None = None) -> gpb.ChatMessages:
