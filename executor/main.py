@@ -159,7 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     _signal_ready()
     wait_forever(server, health, service.worker, max(0.0, args.hang_timeout))
-    return 0
+    # Stopped: the gRPC server has ended every call. A handler thread of a
+    # call its client abandoned (a killed router) can still be blocked, and
+    # interpreter exit joins the server's threads: the process ends here so a
+    # stopped executor never lingers holding its model and socket.
+    _LOGGER.info("executor stopped")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _die_with_parent() -> None:
