@@ -34,12 +34,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--token", default=None, help="bearer token, when the server requires one")
     p.add_argument("--tls-ca", default=None, help="CA certificate to verify a TLS server")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--model", default="", help="which of the router's models (default: the first)")
     args = p.parse_args(argv)
 
     req = gpb.GenerateRequest(
         sampling=gpb.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
         stopping=gpb.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop=args.stop),
         priority=args.priority,
+        model=args.model,
     )
     if args.seed is not None:
         req.sampling.seed = args.seed

@@ -6,6 +6,7 @@ message an operator can act on; nothing here asserts on user input.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,17 @@ from common.config import (
     positive as _positive,
 )
 
-__all__ = ["KV_CACHE_DTYPES", "CacheConfig", "ConfigError", "RouterConfig", "load_config", "config_from_dict"]
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "CacheConfig",
+    "ConfigError",
+    "ModelConfig",
+    "RouterConfig",
+    "model_config",
+    "default_model_name",
+    "load_config",
+    "config_from_dict",
+]
 
 BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic")
 # server.tool_call_parser's values: router/tool_calls.py reads the formats.
@@ -196,6 +207,28 @@ class TracingConfig:
 
 
 @dataclass
+class ModelConfig:
+    """One entry of `models:`: a model with its own executor, scheduler and
+    KV pool behind the same router. Sections given here are merged over the
+    top-level ones."""
+
+    # The name requests choose it by (gRPC `model`, OpenAI `model`); empty =
+    # the name of what `model` loads.
+    name: str = ""
+    # What its executor loads: smollm2 | tiny | a checkpoint directory | a .gguf file.
+    model: str = ""
+    # `cbserve serve` starts its executor with these (empty / 0 = the command line's).
+    dtype: str = ""
+    device: str = ""
+    max_model_len: int = 0
+    # Overrides of the top-level sections for this model. An `executor.address`
+    # here means its executor runs elsewhere: `cbserve serve` starts none.
+    executor: dict = field(default_factory=dict)
+    scheduler: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)
+
+
+@dataclass
 class RouterConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -204,6 +237,38 @@ class RouterConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    # Several models behind one router (empty = the one of `--model`).
+    models: list = field(default_factory=list)
+
+
+def model_config(cfg: RouterConfig, m: ModelConfig, where: str) -> RouterConfig:
+    """The whole configuration one model's engine runs with: the top level
+    with the entry's sections merged over it."""
+    sections = {}
+    for name, cls in (("executor", ExecutorConfig), ("scheduler", SchedulerConfig), ("cache", CacheConfig)):
+        override = getattr(m, name)
+        if not isinstance(override, dict):
+            raise ConfigError(f"{where}.{name}: expected a mapping, got {type(override).__name__}")
+        merged = {**dataclasses.asdict(getattr(cfg, name)), **override}
+        sections[name] = build_section(cls, merged, f"{where}.{name}")
+    return dataclasses.replace(cfg, models=[], **sections)
+
+
+def _validate_models(cfg: RouterConfig) -> None:
+    names = set()
+    for i, m in enumerate(cfg.models):
+        where = f"models[{i}]"
+        if not m.model:
+            raise ConfigError(f"{where}.model: required (smollm2, tiny, a checkpoint directory or a .gguf file)")
+        if m.name in names:
+            raise ConfigError(f"{where}.name: {m.name!r} is used twice")
+        names.add(m.name)
+        _positive(m.max_model_len, f"{where}.max_model_len", True)
+        try:
+            validate(model_config(cfg, m, where))
+        except ConfigError as exc:
+            msg = str(exc)
+            raise ConfigError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
 
 def validate(cfg: RouterConfig) -> RouterConfig:
@@ -300,7 +365,28 @@ def validate(cfg: RouterConfig) -> RouterConfig:
 
 
 def config_from_dict(data: dict[str, Any] | None) -> RouterConfig:
-    return validate(build_section(RouterConfig, data or {}, "config"))
+    data = dict(data or {})
+    entries = data.pop("models", None) or []
+    if not isinstance(entries, list):
+        raise ConfigError(f"config.models: expected a list, got {type(entries).__name__}")
+    cfg = build_section(RouterConfig, data, "config")
+    cfg.models = [build_section(ModelConfig, e, f"config.models[{i}]") for i, e in enumerate(entries)]
+    for m in cfg.models:
+        m.name = m.name or default_model_name(m.model)
+    _validate_models(cfg)
+    return validate(cfg)
+
+
+def default_model_name(spec: str) -> str:
+    """The name a model spec is served under when none is given: what the
+    executor reports for it (executor/model_source.py names it the same way)."""
+    spec = spec.strip()
+    if spec in ("", "smollm2", "default", "SmolLM2-135M-Instruct"):
+        return "SmolLM2-135M-Instruct"
+    if spec == "tiny" or spec.startswith("tiny:"):
+        return "tiny-random-llama"
+    base = os.path.basename(os.path.normpath(spec))
+    return base.removesuffix(".gguf")
 
 
 def load_config(path: str | None) -> RouterConfig:

@@ -85,9 +85,10 @@ def _tops(result) -> list:
 class RequestHandle:
     """What a gRPC handler holds: the request and its stream of deltas."""
 
-    def __init__(self, req: Request, detok: IncrementalDetokenizer) -> None:
+    def __init__(self, req: Request, detok: IncrementalDetokenizer, engine: "Engine | None" = None) -> None:
         self.req = req
         self.detok = detok
+        self.engine = engine  # the engine (model) serving it
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.done = False
         self.last_token_time: float | None = None
@@ -138,10 +139,12 @@ class Engine:
         client: ExecutorClient | None = None,
         on_executor_lost: Callable[[str], None] | None = None,
         tracer: RequestTracer | None = None,
+        name: str = "default",
     ) -> None:
         self.cfg = cfg
+        self.name = name  # the model's name: requests choose it by this; the metrics' `model` label
         self.tokenizer = tokenizer
-        self.metrics = metrics
+        self.metrics = metrics.for_model(name) if isinstance(metrics, Metrics) else metrics
         self.client = client or ExecutorClient(cfg.executor)
         self.on_executor_lost = on_executor_lost
         self.tracer = tracer
@@ -236,7 +239,8 @@ class Engine:
         self.facts = facts
         _LOGGER.info(
             "executor connected",
-            model=facts.model,
+            model=self.name,
+            loaded=facts.model,
             dtype=facts.dtype,
             num_blocks=facts.num_blocks,
             block_size=facts.block_size,
@@ -250,6 +254,7 @@ class Engine:
         handle = RequestHandle(
             req,
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.stopping.stop, req.stopping.min_tokens),
+            self,
         )
         self.handles[req.request_id] = handle
         if self.tracer is not None:
@@ -274,7 +279,7 @@ class Engine:
         self.cfg.scheduler = cfg.scheduler
         if self.scheduler is not None:
             self.scheduler.set_policy(cfg.scheduler, policy)
-        _LOGGER.info("scheduler config reloaded", policy=policy.name)
+        _LOGGER.info("scheduler config reloaded", model=self.name, policy=policy.name)
 
     # -- the loop -----------------------------------------------------------------
     async def _run(self) -> None:
@@ -294,7 +299,7 @@ class Engine:
                 await asyncio.sleep(0.5)
 
     def _lost(self, why: str) -> None:
-        _LOGGER.error("executor lost", error=why, in_flight=len(self.handles))
+        _LOGGER.error("executor lost", model=self.name, error=why, in_flight=len(self.handles))
         self._set_ready(False)
         self._fail_all(grpc.StatusCode.UNAVAILABLE, f"executor unavailable: {why}")
         if self.on_executor_lost is not None:

@@ -35,6 +35,7 @@ from router import __version__, tool_calls
 from router.admission import admit_all, refuse, siblings
 from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle, merged
+from router.models import Models
 from router.request import Finish
 from router.validation import ROLES, RequestError, prompt_ids
 
@@ -264,15 +265,17 @@ def _validation_error(exc: ValidationError) -> ApiError:
 
 
 class OpenAIApi:
-    """The HTTP endpoints over one engine."""
+    """The HTTP endpoints: the body names the model, whose `ModelApi` serves it."""
 
-    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
-        self.engine = engine
+    def __init__(self, models: Models, cfg: RouterConfig) -> None:
+        self.models = models
         self.cfg = cfg
+        self.apis = {e.name: ModelApi(e, cfg) for e in models.engines}
+        self.default = self.apis[models.default.name]
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -281,7 +284,6 @@ class OpenAIApi:
         handlers = {ApiError: self._api_error, 404: self._http_error, 405: self._http_error}
         self.app = Starlette(routes=routes, exception_handlers=handlers)
 
-    # -- plumbing ---------------------------------------------------------------
     async def _api_error(self, request: HttpRequest, exc: ApiError) -> JSONResponse:
         return JSONResponse(_error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
 
@@ -293,9 +295,79 @@ class OpenAIApi:
         )
         return JSONResponse(_error_body(status, message), status_code=status)
 
+    def _api(self, name: str | None) -> "ModelApi":
+        """The API of the model a body names (none: the first); 404 for a
+        name not served here, as OpenAI answers."""
+        api = self.apis.get(name) if name else self.default
+        if api is None:
+            served = ", ".join(repr(n) for n in self.apis)
+            raise self.default._refused(
+                404, f"the model {name[:128]!r} does not exist; this server serves {served}", "model", "model_not_found"
+            )
+        return api
+
+    async def _parsed(self, request: HttpRequest, body_type: type[BaseModel]) -> tuple[Any, "ModelApi"]:
+        body = await self.default._json(request, body_type)
+        api = self._api(body.model)
+        api.check_available()
+        return body, api
+
+    async def completions(self, request: HttpRequest) -> Response:
+        body, api = await self._parsed(request, CompletionBody)
+        return await api.completions(request, body)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        body, api = await self._parsed(request, ChatBody)
+        return await api.chat_completions(request, body)
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        body, api = await self._parsed(request, TokenizeBody)
+        return await api.tokenize(body)
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        body, api = await self._parsed(request, DetokenizeBody)
+        return await api.detokenize(body)
+
+    async def list_models(self, request: HttpRequest) -> Response:
+        """Every model served here, the default first (max_model_len once its
+        executor has said it)."""
+        self.default._authorize(request)
+        if not any(api.engine.facts is not None for api in self.apis.values()):
+            raise self.default._refused(503, "the executor is not available")
+        return JSONResponse({"object": "list", "data": [api.card() for api in self.apis.values()]})
+
+    async def health(self, request: HttpRequest) -> Response:
+        """200 while any model serves; `?model=NAME` asks about one."""
+        name = request.query_params.get("model")
+        engine = self.models.get(name) if name in self.apis else None
+        if name and engine is None:
+            return Response(status_code=404)
+        return Response(status_code=200 if self.models.serving(engine) else 503)
+
+    async def version(self, request: HttpRequest) -> Response:
+        return JSONResponse({"version": __version__})
+
+
+class ModelApi:
+    """The HTTP endpoints' work over one model's engine."""
+
+    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+
+    # -- plumbing ---------------------------------------------------------------
     def model_name(self) -> str:
-        f = self.engine.facts
-        return self.cfg.server.served_model_name or (f.model if f is not None else "")
+        return self.engine.name
+
+    def card(self) -> dict:
+        card = {"id": self.model_name(), "object": "model", "created": 0, "owned_by": "cbserve"}
+        if self.engine.facts is not None:
+            card["max_model_len"] = self.engine.facts.max_context
+        return card
+
+    def check_available(self) -> None:
+        if self.engine.facts is None:
+            raise self._refused(503, f"the executor of model {self.engine.name!r} is not available")
 
     def _authorize(self, request: HttpRequest) -> str:
         """The caller's tenant; 401 for a missing or unknown token."""
@@ -338,15 +410,6 @@ class OpenAIApi:
         grpc_code = next((c for c, s in HTTP_STATUS.items() if s == status), grpc.StatusCode.INVALID_ARGUMENT)
         refuse(self.engine, grpc_code, message)
         return ApiError(status, message, param, code)
-
-    def _check_model(self, name: str | None) -> None:
-        if self.engine.facts is None:
-            raise self._refused(503, "the executor is not available")
-        served = self.model_name()
-        if name is not None and name != served:
-            raise self._refused(
-                404, f"the model {name!r} does not exist; this server serves {served!r}", "model", "model_not_found"
-            )
 
     def _check_supported(self, body: _Common) -> None:
         extra = body.model_extra or {}
@@ -520,18 +583,16 @@ class OpenAIApi:
         return request.headers.get("x-request-id") or uuid.uuid4().hex
 
     # -- endpoints -----------------------------------------------------------------
-    async def _generation_body(self, request: HttpRequest, model: type[_Common]) -> tuple[Any, str]:
-        """The parsed body of a generation request, checked for the served
-        model and unsupported fields, and its request id (bound to the logs)."""
-        body = await self._json(request, model)
-        self._check_model(body.model)
+    def _generation_checks(self, request: HttpRequest, body: _Common) -> str:
+        """A generation body checked for unsupported fields; its request id
+        (bound to the logs)."""
         self._check_supported(body)
         rid = self._request_id(request)
-        structlog.contextvars.bind_contextvars(request_id=rid, tenant=request.state.tenant)
-        return body, rid
+        structlog.contextvars.bind_contextvars(request_id=rid, tenant=request.state.tenant, model=self.engine.name)
+        return rid
 
-    async def completions(self, request: HttpRequest) -> Response:
-        body, rid = await self._generation_body(request, CompletionBody)
+    async def completions(self, request: HttpRequest, body: CompletionBody) -> Response:
+        rid = self._generation_checks(request, body)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -550,8 +611,8 @@ class OpenAIApi:
         handles = await self._admit_all(body, msgs, request)
         return await self._respond(request, body, handles, rid, chat=False)
 
-    async def chat_completions(self, request: HttpRequest) -> Response:
-        body, rid = await self._generation_body(request, ChatBody)
+    async def chat_completions(self, request: HttpRequest, body: ChatBody) -> Response:
+        rid = self._generation_checks(request, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         msg = self._base_msg(body, max_tokens, rid)
         msg.messages.CopyFrom(_chat_messages(body.messages, body.tools))
@@ -610,9 +671,7 @@ class OpenAIApi:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def tokenize(self, request: HttpRequest) -> Response:
-        body: TokenizeBody = await self._json(request, TokenizeBody)
-        self._check_model(body.model)
+    async def tokenize(self, body: TokenizeBody) -> Response:
         if (body.prompt is None) == (body.messages is None):
             raise self._refused(400, "input: set one of prompt, messages", "prompt")
         msg = gpb.TokenizeRequest()
@@ -628,22 +687,13 @@ class OpenAIApi:
             raise _from_request_error(exc) from None
         return JSONResponse({"count": len(ids), "max_model_len": eng.facts.max_context, "tokens": ids})
 
-    async def detokenize(self, request: HttpRequest) -> Response:
-        body: DetokenizeBody = await self._json(request, DetokenizeBody)
-        self._check_model(body.model)
+    async def detokenize(self, body: DetokenizeBody) -> Response:
         vocab = self.engine.facts.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise self._refused(400, f"tokens: {bad} is outside [0, {vocab})", "tokens")
         text = await self.engine.off_loop(self.engine.tokenizer.decode, body.tokens, False)
         return JSONResponse({"prompt": text})
-
-    async def health(self, request: HttpRequest) -> Response:
-        ok = self.engine.ready.is_set() and self.engine.accepting
-        return Response(status_code=200 if ok else 503)
-
-    async def version(self, request: HttpRequest) -> Response:
-        return JSONResponse({"version": __version__})
 
     # -- responses -------------------------------------------------------------------
     async def _respond(
@@ -925,9 +975,9 @@ class HttpServer:
     """Binds the HTTP port at construction (so a port in use fails start-up with
     OSError, as the gRPC port does) and serves until `stop`."""
 
-    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
+    def __init__(self, models: Models, cfg: RouterConfig) -> None:
         s = cfg.server
-        self.api = OpenAIApi(engine, cfg)
+        self.api = OpenAIApi(models, cfg)
         self.sock = socket.create_server((s.host, s.http_port), reuse_port=False)
         self.port = self.sock.getsockname()[1]
         kw: dict[str, Any] = {}

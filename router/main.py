@@ -4,6 +4,7 @@ SIGTERM drain and SIGHUP reload of the scheduler section."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import signal
 from typing import Awaitable, Callable
@@ -15,6 +16,7 @@ from router.config import ConfigError, RouterConfig, check_executor_transport, l
 from router.engine import Engine
 from router.http_api import HttpServer
 from router.metrics import Metrics
+from router.models import Models, model_entries
 from router.server import PublicServer
 from router.tokenizer import load_tokenizer
 from router.tracing import setup_tracing
@@ -26,30 +28,52 @@ async def run_router(
     cfg: RouterConfig,
     model: str,
     config_path: str | None = None,
-    on_executor_lost: Callable[[str], None] | None = None,
+    on_executor_lost: Callable[[str, str], None] | None = None,
     on_started: Callable[[PublicServer], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
+    entries: list | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
-    tokenizer = await loop.run_in_executor(None, load_tokenizer, model)
+    entries = entries or model_entries(cfg, model)
+    tokenizers: dict[str, object] = {}
+    for e in entries:  # models loaded from the same spec share one tokenizer
+        if e.spec not in tokenizers:
+            tokenizers[e.spec] = await loop.run_in_executor(None, load_tokenizer, e.spec)
     metrics = Metrics()
     metrics.serve(cfg.server.metrics_port, cfg.server.host)
     tracer = setup_tracing(cfg.tracing)
-    engine = Engine(cfg, tokenizer, metrics, on_executor_lost=on_executor_lost, tracer=tracer)
-    server = PublicServer(engine, cfg)
-    http = HttpServer(engine, cfg) if cfg.server.http_port else None
+    models = Models(
+        [
+            Engine(
+                e.cfg,
+                tokenizers[e.spec],
+                metrics,
+                on_executor_lost=functools.partial(on_executor_lost, e.name) if on_executor_lost else None,
+                tracer=tracer,
+                name=e.name,
+            )
+            for e in entries
+        ]
+    )
+    server = PublicServer(models, cfg)
+    http = HttpServer(models, cfg) if cfg.server.http_port else None
     await server.start()
     if http is not None:
         http.start()
-    engine.start()
+    models.start()
 
     def _reload() -> None:
         try:
-            new = load_config(config_path)
+            new = {e.name: e.cfg for e in model_entries(load_config(config_path), model)}
+            # Only scheduler sections reload; a model added or removed needs a restart.
+            missing = [name for name in models.names if name not in new]
+            if missing:
+                raise ConfigError(f"models {missing} are gone from the new file; restart to change the model list")
             # make_policy may still refuse (a 'module:Class' that does not load):
             # set_scheduler_config builds the policy before changing anything.
-            engine.set_scheduler_config(new)
+            for engine in models.engines:
+                engine.set_scheduler_config(new[engine.name])
         except ConfigError as exc:
             _LOGGER.error("config reload refused; keeping the old one", error=str(exc))
 
@@ -73,7 +97,7 @@ async def run_router(
         http=f"http://{cfg.server.host}:{http.port}/v1" if http is not None else "off",
         frozen_objects=gc.get_freeze_count(),
         metrics=f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics",
-        executor=cfg.executor.address,
+        models={e.name: e.cfg.executor.address for e in entries},
         policy=cfg.scheduler.policy,
     )
     if on_started is not None:
@@ -81,11 +105,11 @@ async def run_router(
         if asyncio.iscoroutine(res):
             await res
     await stop.wait()
-    _LOGGER.info("draining", timeout_s=cfg.server.drain_timeout_s, in_flight=len(engine.handles))
+    _LOGGER.info("draining", timeout_s=cfg.server.drain_timeout_s, in_flight=models.in_flight)
     await server.drain_and_stop(cfg.server.drain_timeout_s)
     if http is not None:
         await http.stop()
-    await engine.stop()
+    await models.stop()
     if tracer is not None:
         tracer.shutdown()
     _LOGGER.info("router stopped")
@@ -96,6 +120,14 @@ def router_main(args) -> int:
     cfg = load_config(args.config)
     apply_overrides(cfg, args)
     configure_logging(cfg.logging.level, cfg.logging.format, process="router")
+    seen: dict[str, str] = {}
+    for e in model_entries(cfg, args.model):  # the router alone starts no executor
+        other = seen.setdefault(e.cfg.executor.address, e.name)
+        if other != e.name:
+            raise ConfigError(
+                f"models {other!r} and {e.name!r} both use executor.address {e.cfg.executor.address!r}: "
+                "give each model its own executor"
+            )
     return asyncio.run(run_router(cfg, args.model, args.config))
 
 
@@ -110,5 +142,7 @@ def apply_overrides(cfg: RouterConfig, args) -> None:
     if getattr(args, "host", None):
         cfg.server.host = args.host
     if getattr(args, "executor_address", None):
+        if cfg.models:
+            raise ConfigError("--executor-address: with `models:` in the config, give each model's executor.address")
         cfg.executor.address = args.executor_address
         check_executor_transport(cfg.executor)

@@ -18,6 +18,7 @@ from router.admission import admit_all, refuse, siblings
 from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle, merged
+from router.models import Models
 from router.validation import RequestError, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)
@@ -25,40 +26,49 @@ SERVICE_NAME = "cbserve.v1.Generation"
 
 
 class GenerationService(gpb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
-        self.engine = engine
+    def __init__(self, models: Models, cfg: RouterConfig) -> None:
+        self.models = models
         self.cfg = cfg
 
     # -- admission ----------------------------------------------------------------
-    async def _refuse(self, context, code: grpc.StatusCode, message: str):
+    async def _refuse(self, context, code: grpc.StatusCode, message: str, engine: Engine | None = None):
         """Ends the RPC before admission; counted by status code."""
-        refuse(self.engine, code, message)
+        refuse(engine or self.models.default, code, message)
         await context.abort(code, message)
+
+    async def _engine(self, name: str, context) -> Engine:
+        """The engine of the requested model; NOT_FOUND for a name not served."""
+        try:
+            return self.models.get(name)
+        except RequestError as exc:
+            await self._refuse(context, exc.code, exc.message)
 
     async def _admit(self, request: gpb.GenerateRequest, context, event: str) -> tuple[str, list[RequestHandle]]:
         """The request's id and its `n` completions (one unless it asks for
         more), all admitted or none."""
+        engine = await self._engine(request.model, context)
         try:
             pairs = siblings(request, request.n or 1, self.cfg.limits.max_n)
         except RequestError as exc:
-            await self._refuse(context, exc.code, exc.message)
+            await self._refuse(context, exc.code, exc.message, engine)
         try:
-            tenant = self.engine.auth.tenant_of_metadata(context.invocation_metadata())
-            handles = await admit_all(self.engine, self.cfg, pairs, context.time_remaining(), tenant)
+            tenant = engine.auth.tenant_of_metadata(context.invocation_metadata())
+            handles = await admit_all(engine, engine.cfg, pairs, context.time_remaining(), tenant)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         req = handles[0].req
         # `siblings` named a group's id; a single request may have had one assigned.
         rid = request.request_id or req.request_id
         # Every log line of this RPC's task carries the request id.
-        structlog.contextvars.bind_contextvars(request_id=rid, tenant=req.tenant)
+        structlog.contextvars.bind_contextvars(request_id=rid, tenant=req.tenant, model=engine.name)
         _LOGGER.debug(event, prompt_tokens=len(req.prompt_token_ids), n=len(handles))
         return rid, handles
 
-    def _abort_unfinished(self, handles: list[RequestHandle]) -> None:
+    @staticmethod
+    def _abort_unfinished(handles: list[RequestHandle]) -> None:
         for h in handles:
             if not h.done:  # client cancelled, disconnected or hit its deadline
-                self.engine.abort(h.req, _client_gone(h.req))
+                h.engine.abort(h.req, _client_gone(h.req))
 
     @staticmethod
     def _response(
@@ -124,29 +134,30 @@ class GenerationService(gpb_grpc.GenerationServicer):
         return out
 
     async def Tokenize(self, request, context):
-        eng = self.engine
+        eng = await self._engine(request.model, context)
         vocab = eng.facts.vocab_size if eng.facts else eng.tokenizer.vocab_size
         request.DiscardUnknownFields()
         try:
             ids = await eng.off_loop(prompt_ids, request, eng.tokenizer, self.cfg.limits, vocab)
         except RequestError as exc:
-            await self._refuse(context, exc.code, exc.message)
+            await self._refuse(context, exc.code, exc.message, eng)
         tokens = await eng.off_loop(lambda: [eng.tokenizer.id_to_token(i) for i in ids])
         return gpb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def ModelInfo(self, request, context):
-        eng = self.engine
+        eng = await self._engine(request.model, context)
         f = eng.facts
         if f is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is not available")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the executor of model {eng.name!r} is not available")
         return gpb.ModelInfoResponse(
-            model=f.model,
+            model=eng.name,
+            models=self.models.names,
             dtype=f.dtype,
             max_context_length=f.max_context,
             vocab_size=f.vocab_size,
             block_size=f.block_size,
             num_kv_blocks=f.num_blocks,
-            policy=self.cfg.scheduler.policy,
+            policy=eng.cfg.scheduler.policy,
             version=__version__,
             max_new_tokens_limit=self.cfg.limits.max_new_tokens,
             attention_backend=f.attention_backend,
@@ -193,12 +204,12 @@ def _credentials(cfg: RouterConfig):
 class PublicServer:
     """Runs the public port: Generation + Health + reflection."""
 
-    def __init__(self, engine: Engine, cfg: RouterConfig) -> None:
-        self.engine = engine
+    def __init__(self, models: Models, cfg: RouterConfig) -> None:
+        self.models = models
         self.cfg = cfg
         s = cfg.server
-        auth = engine.auth
-        denied = engine.metrics.request_errors.labels(status=grpc.StatusCode.UNAUTHENTICATED.name)
+        auth = models.default.auth
+        denied = models.default.metrics.request_errors.labels(status=grpc.StatusCode.UNAUTHENTICATED.name)
         interceptors = [BearerTokenInterceptor(auth, on_denied=denied.inc)] if auth.enabled else []
         self.server = grpc.aio.server(
             interceptors=interceptors,
@@ -210,7 +221,7 @@ class PublicServer:
                 ("grpc.max_connection_age_grace_ms", 60 * 1000),
             ],
         )
-        gpb_grpc.add_GenerationServicer_to_server(GenerationService(engine, cfg), self.server)
+        gpb_grpc.add_GenerationServicer_to_server(GenerationService(models, cfg), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if s.enable_reflection:
@@ -223,25 +234,30 @@ class PublicServer:
         self.port = self.server.add_secure_port(addr, creds) if creds else self.server.add_insecure_port(addr)
         if self.port == 0:
             raise OSError(f"cannot listen on {addr}")
-        engine.on_ready_change(self._on_ready)
+        models.on_ready_change(self._on_ready)
 
-    def _on_ready(self, ready: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if ready and self.engine.accepting
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+    def _on_ready(self, engine: Engine, ready: bool) -> None:
+        """The server (and the Generation service) serve while any model
+        does: one model's executor down must not take the others out of a
+        load balancer. Each model has its own entry under its name."""
         loop = asyncio.get_running_loop()
-        for name in ("", SERVICE_NAME):
-            loop.create_task(self.health.set(name, status))
+        for name, up in self._health_states():
+            loop.create_task(self.health.set(name, up))
+
+    def _health_states(self) -> list[tuple[str, int]]:
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        states = [(name, serving if self.models.serving() else not_serving) for name in ("", SERVICE_NAME)]
+        for e in self.models.engines:
+            states.append((e.name, serving if self.models.serving(e) else not_serving))
+        return states
 
     async def start(self) -> None:
-        for name in ("", SERVICE_NAME):
+        for name, _ in self._health_states():
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
 
     async def drain_and_stop(self, timeout: float) -> None:
-        for name in ("", SERVICE_NAME):
+        for name, _ in self._health_states():
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.engine.drain(timeout)
+        await self.models.drain(timeout)
         await self.server.stop(grace=1.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import os
 import shutil
 import signal
@@ -16,18 +17,21 @@ import sys
 import tempfile
 
 import structlog
+import yaml
 
 from common.logging_setup import configure_logging
 from router.config import load_config
 from router.main import apply_overrides, run_router
+from router.models import ModelEntry, model_entries
 
 _LOGGER = structlog.get_logger(__name__)
 EXECUTOR_USAGE_ERROR = 2  # executor/main.py's USAGE_ERROR (the router does not import the executor)
 
 
 class ExecutorProcess:
-    def __init__(self, argv: list[str], on_refused: asyncio.Event | None = None) -> None:
+    def __init__(self, argv: list[str], on_refused: asyncio.Event | None = None, name: str = "") -> None:
         self.argv = argv
+        self.name = name  # the model it serves (logs)
         self.on_refused = on_refused  # set when the executor refuses its arguments
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
@@ -52,7 +56,7 @@ class ExecutorProcess:
         finally:
             os.close(write_fd)
         asyncio.get_running_loop().add_reader(read_fd, self._on_ready, read_fd)
-        _LOGGER.info("executor started", pid=self.proc.pid)
+        _LOGGER.info("executor started", pid=self.proc.pid, model=self.name)
 
     def _on_ready(self, fd: int) -> None:
         asyncio.get_running_loop().remove_reader(fd)
@@ -64,7 +68,7 @@ class ExecutorProcess:
     def kill(self, why: str) -> None:
         """For a hung executor: SIGKILL; the watch loop restarts it."""
         if self.proc is not None and self.proc.returncode is None:
-            _LOGGER.warning("killing executor", pid=self.proc.pid, reason=why)
+            _LOGGER.warning("killing executor", pid=self.proc.pid, model=self.name, reason=why)
             self.proc.kill()
 
     async def watch(self) -> None:
@@ -77,12 +81,14 @@ class ExecutorProcess:
             if rc == EXECUTOR_USAGE_ERROR or not self.ready:  # a restart would fail the same way
                 self.refused = True
                 why = "refused its arguments or model" if rc == EXECUTOR_USAGE_ERROR else "exited before it was ready"
-                _LOGGER.error(f"executor {why}; stopping (see its log above)", returncode=rc)
+                _LOGGER.error(f"executor {why}; stopping (see its log above)", returncode=rc, model=self.name)
                 if self.on_refused is not None:
                     self.on_refused.set()  # the router drains and returns
                 return
             self.restarts += 1
-            _LOGGER.error("executor exited; restarting", returncode=rc, restarts=self.restarts, in_s=backoff)
+            _LOGGER.error(
+                "executor exited; restarting", returncode=rc, model=self.name, restarts=self.restarts, in_s=backoff
+            )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
             await self.start()
@@ -99,56 +105,88 @@ class ExecutorProcess:
             await self.proc.wait()
 
 
-async def _serve(args) -> int:
-    cfg = load_config(args.config)
-    apply_overrides(cfg, args)
-    if not args.executor_address:
-        # A fresh directory only this user can enter (mkdtemp: mode 0700, a
-        # name nobody can create ahead of us), removed when serve exits.
-        sock_dir = tempfile.mkdtemp(prefix="cbserve-")
-        atexit.register(shutil.rmtree, sock_dir, True)
-        cfg.executor.address = f"unix://{os.path.join(sock_dir, 'executor.sock')}"
-    exe_argv = [
+def _executor_argv(args, e: ModelEntry, index: int, config_path: str | None) -> list[str]:
+    """The command line of model `e`'s executor (the entry's settings, else
+    the command line's)."""
+    metrics_port = args.executor_metrics_port + index if args.executor_metrics_port else 0
+    argv = [
         "--model",
-        args.model,
+        e.spec,
         "--dtype",
-        args.dtype,
+        e.dtype or args.dtype,
         "--device",
-        args.device,
+        e.device or args.device,
         "--listen",
-        cfg.executor.address,
+        e.cfg.executor.address,
         "--attention-backend",
         args.attention_backend,
         "--threads",
         str(args.executor_threads),
         "--metrics-port",
-        str(args.executor_metrics_port),
+        str(metrics_port),
         "--metrics-host",
         args.executor_metrics_host,
         "--max-model-len",
-        str(args.max_model_len),
+        str(e.max_model_len or args.max_model_len),
         # No graph for more sequences than the scheduler ever runs together.
         "--cuda-graph-max-batch",
-        str(min(args.cuda_graph_max_batch, cfg.scheduler.max_num_seqs)),
+        str(min(args.cuda_graph_max_batch, e.cfg.scheduler.max_num_seqs)),
     ]
-    if args.config:
-        exe_argv += ["--config", args.config]
-    ex = cfg.executor
+    if config_path:
+        argv += ["--config", config_path]
+    ex = e.cfg.executor
     if not ex.address.startswith("unix://"):
         if ex.tls_cert_file:
-            exe_argv += ["--tls-cert", ex.tls_cert_file, "--tls-key", ex.tls_key_file]
+            argv += ["--tls-cert", ex.tls_cert_file, "--tls-key", ex.tls_key_file]
         if ex.tls_client_ca_file:
-            exe_argv += ["--tls-client-ca", ex.tls_client_ca_file]
+            argv += ["--tls-client-ca", ex.tls_client_ca_file]
         if ex.allow_insecure_tcp:
-            exe_argv += ["--allow-insecure-tcp"]
-    stop = asyncio.Event()
-    executor = ExecutorProcess(exe_argv, on_refused=stop)
-    await executor.start()
-    watcher = asyncio.get_running_loop().create_task(executor.watch())
+            argv += ["--allow-insecure-tcp"]
+    return argv
 
-    def lost(why: str) -> None:
-        if "DEADLINE_EXCEEDED" in why:  # a hung step: the executor cannot be trusted
-            executor.kill(why)
+
+def _private_dir() -> str:
+    """A fresh directory only this user can enter (mkdtemp: mode 0700, a
+    name nobody can create ahead of us), removed when serve exits."""
+    path = tempfile.mkdtemp(prefix="cbserve-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+async def _serve(args) -> int:
+    cfg = load_config(args.config)
+    apply_overrides(cfg, args)
+    entries = model_entries(cfg, args.model)
+    configs: list[str | None] = []
+    if not cfg.models:  # the classic single model: --executor-address or a private socket
+        if not args.executor_address:
+            cfg.executor.address = f"unix://{os.path.join(_private_dir(), 'executor.sock')}"
+        configs.append(args.config)
+    else:
+        sock_dir = _private_dir() if any(e.own_executor for e in entries) else ""
+        for i, e in enumerate(entries):
+            if not e.own_executor:
+                configs.append(None)
+                continue
+            e.cfg.executor.address = f"unix://{os.path.join(sock_dir, f'executor-{i}.sock')}"
+            # The executor reads only `cache:`: this model's, merged.
+            path = os.path.join(sock_dir, f"executor-{i}.yaml")
+            with open(path, "w", encoding="utf-8") as fh:
+                yaml.safe_dump({"cache": dataclasses.asdict(e.cfg.cache)}, fh)
+            configs.append(path)
+    stop = asyncio.Event()
+    executors: dict[str, ExecutorProcess] = {}
+    for i, (e, path) in enumerate(zip(entries, configs)):
+        if e.own_executor:
+            executors[e.name] = ExecutorProcess(_executor_argv(args, e, i, path), on_refused=stop, name=e.name)
+    for ex in executors.values():
+        await ex.start()
+    loop = asyncio.get_running_loop()
+    watchers = [loop.create_task(ex.watch()) for ex in executors.values()]
+
+    def lost(name: str, why: str) -> None:
+        if "DEADLINE_EXCEEDED" in why and name in executors:  # a hung step: the executor cannot be trusted
+            executors[name].kill(why)
 
     async def started(server) -> None:
         host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
@@ -157,15 +195,19 @@ async def _serve(args) -> int:
             grpc=f"{host}:{server.port}",
             openai=f"http://{host}:{cfg.server.http_port}/v1" if cfg.server.http_port else "off",
             metrics=f"http://{host}:{cfg.server.metrics_port}/metrics",
+            models=[e.name for e in entries],
             try_it=f"cbserve generate --address {host}:{server.port} --chat 'What is the capital of France?'",
         )
 
     try:
-        rc = await run_router(cfg, args.model, args.config, on_executor_lost=lost, on_started=started, stop=stop)
-        return EXECUTOR_USAGE_ERROR if executor.refused else rc
+        rc = await run_router(
+            cfg, args.model, args.config, on_executor_lost=lost, on_started=started, stop=stop, entries=entries
+        )
+        return EXECUTOR_USAGE_ERROR if any(ex.refused for ex in executors.values()) else rc
     finally:
-        await executor.stop()
-        watcher.cancel()
+        await asyncio.gather(*(ex.stop() for ex in executors.values()))
+        for w in watchers:
+            w.cancel()
 
 
 def serve_main(args) -> int:

@@ -75,19 +75,23 @@ class Server:
                 return child.pid
         raise RuntimeError("no executor child process")
 
-    def metrics(self) -> dict[str, float]:
-        """Prometheus samples by 'name{labels}' (labels sorted)."""
+    def metrics(self, model: str | None = None) -> dict[str, float]:
+        """Prometheus samples by 'name{labels}' (labels sorted, `model` left
+        out): one model's when `model` is given, else summed over models."""
         import urllib.request
 
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        out = {}
+        out: dict[str, float] = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+                if model is not None and s.labels.get("model", model) != model:
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model")
+                key = f"{s.name}{{{labels}}}" if labels else s.name
+                out[key] = out.get(key, 0.0) + s.value
         return out
 
     def stop(self, timeout: float = 30.0) -> int:
@@ -144,7 +148,10 @@ def start_server(
     device = device or os.environ.get("CBSERVE_TEST_DEVICE", "cpu")
     cfg = {"cache": {"num_blocks": 512, "block_size": 16}, "logging": {"format": "json"}}
     for key, section in (config or {}).items():
-        cfg.setdefault(key, {}).update(section)
+        if isinstance(section, list):  # models:
+            cfg[key] = section
+        else:
+            cfg.setdefault(key, {}).update(section)
     fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="cbserve-test-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)

@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 
-from router.config import RouterConfig
+from router.config import ModelConfig, RouterConfig
 from tests.conftest import REPO
 
 
@@ -22,7 +22,13 @@ def test_every_config_key_is_documented():
     cfg = RouterConfig()
     missing = []
     for section in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, section.name)):
+        value = getattr(cfg, section.name)
+        if isinstance(value, list):  # models: its entries' keys, as `models[].key`
+            for f in dataclasses.fields(ModelConfig):
+                if not re.search(rf"`{section.name}\[\]\.{f.name}`", text):
+                    missing.append(f"{section.name}[].{f.name}")
+            continue
+        for f in dataclasses.fields(value):
             # Keys are listed as `section.key`, or `section.a` / `section.b` on one row.
             if not re.search(rf"`{section.name}\.{f.name}`", text):
                 missing.append(f"{section.name}.{f.name}")

@@ -389,8 +389,8 @@ def test_output_failure_fails_only_that_request():
         assert "".join(x.text for x in deltas) == real.decode([40] * 3)
     assert not eng.handles and not eng.scheduler.running and not eng.scheduler.waiting
     assert eng.scheduler.blocks.usage() == 0
-    assert metrics.requests.labels(finish_reason="LENGTH", status="OK")._value.get() == 3
-    assert metrics.requests.labels(finish_reason="CANCELLED", status="INTERNAL")._value.get() == 1
+    assert eng.metrics.requests.labels(finish_reason="LENGTH", status="OK")._value.get() == 3
+    assert eng.metrics.requests.labels(finish_reason="CANCELLED", status="INTERNAL")._value.get() == 1
 
 
 # -- the OpenAI-compatible API -----------------------------------------------------------
