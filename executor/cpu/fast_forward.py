@@ -20,12 +20,14 @@ the transformers forward. With the 'torch' attention backend the rotated k
 and v go through that backend's reshape_and_cache instead (rope_split), so
 the reference backend stays a reference for the cache write too. Used only
 where `fuse_llama_blocks` applied (bf16 on AVX-512 bf16 CPUs) and the model
-is a Llama, a Mistral, a Qwen2 or a Qwen3 (what they add to Llama: q/k/v
-biases, folded into the fused projection; per-layer sliding windows, handed
-to the attention; Qwen3's per-head q/k RMSNorm, applied to the fused
-projection's q and k before the rotary pass, rounded as Qwen3RMSNorm
-rounds); otherwise the runner calls the transformers model with the
-registered paged-attention function.
+is a Llama, a Mistral, a Qwen2, a Qwen3 or an OLMo 2 (what they add to
+Llama: q/k/v biases, folded into the fused projection; per-layer sliding
+windows, handed to the attention; Qwen3's per-head q/k RMSNorm, applied to
+the fused projection's q and k before the rotary pass, rounded as
+Qwen3RMSNorm rounds; OLMo 2's q/k RMSNorm over the whole projections and its
+norms after attention and after the MLP instead of before, each scaling in
+fp32 before it rounds, as Olmo2RMSNorm does); otherwise the runner calls the
+transformers model with the registered paged-attention function.
 
 Given the rows that sample (`SampledRows`), the last layer computes q, k and v
 for every row (the cache needs every row's k and v) but attention, o_proj and
@@ -65,8 +67,8 @@ class SampledRows:
 @dataclass
 class _Layer:
     index: int
-    in_norm: FusedRMSNorm
-    post_norm: FusedRMSNorm
+    in_norm: FusedRMSNorm | None  # None: OLMo 2 (no norm before attention)
+    post_norm: torch.nn.Module
     scale: float
     window: int  # sliding window of this layer's attention, 0 = none
     # Bound forward methods: a step makes ~150 of these calls, and going
@@ -77,6 +79,24 @@ class _Layer:
     down: Callable[[torch.Tensor], torch.Tensor]
     # Qwen3's q/k norms (_qk_norm), or None.
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    # OLMo 2's norms, each (fp32 weight, eps): over the whole q and k
+    # projections, and after attention and after the MLP (_Post).
+    qk_full_norm: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None
+    post: "_Post | None" = None
+
+
+@dataclass
+class _Post:
+    """OLMo 2's post-norm block: x + norm(attention(x)), then h + norm(mlp(h))."""
+
+    attn: tuple[torch.Tensor, float]
+    mlp: tuple[torch.Tensor, float]
+
+
+def _w32(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """A norm that scales in fp32 before it casts: (its weight in fp32, eps)."""
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    return norm.weight.detach().float().contiguous(), eps
 
 
 def _fused_qkv(attn: torch.nn.Module) -> PackedLinear:
@@ -115,10 +135,14 @@ class LeanLlamaForward:
         self.hq = cfg.num_attention_heads
         self.hkv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._norm_w32 = fused.rms_norm_w32_
+        # OLMo 2 normalises after attention and after the MLP, not before.
+        self.post_norm = cfg.model_type in POST_NORM
+        self.final_w32 = _w32(inner.norm) if self.post_norm else None
         self.layers = [
             _Layer(
                 i,
-                layer.input_layernorm,
+                getattr(layer, "input_layernorm", None),
                 layer.post_attention_layernorm,
                 float(layer.self_attn.scaling),
                 _window(cfg, layer.self_attn),
@@ -126,7 +150,11 @@ class LeanLlamaForward:
                 layer.self_attn.o_proj.forward,
                 layer.mlp.act,
                 layer.mlp.down.forward,
-                _qk_norm(layer.self_attn),
+                None if self.post_norm else _qk_norm(layer.self_attn),
+                (_w32(layer.self_attn.q_norm), _w32(layer.self_attn.k_norm)) if self.post_norm else None,
+                _Post(_w32(layer.post_attention_layernorm), _w32(layer.post_feedforward_layernorm))
+                if self.post_norm
+                else None,
             )
             for i, layer in enumerate(inner.layers)
         ]
@@ -154,7 +182,9 @@ class LeanLlamaForward:
         attn = None  # one output buffer for every layer: o_proj has read it before the next layer writes
         last = self.layers[-1].index
         for L in self.layers:
-            if x is None:
+            if L.post is not None:
+                h = residual
+            elif x is None:
                 h = L.in_norm(residual)
             else:
                 h = self._add_rms_norm(x, residual, L.in_norm.weight, L.in_norm.eps)
@@ -162,6 +192,8 @@ class LeanLlamaForward:
             qkv = L.qkv(h)
             if L.qk_norm is not None:
                 self._norm_heads(qkv, L.qk_norm)
+            elif L.qk_full_norm is not None:
+                self._norm_q_k(qkv, L.qk_full_norm)
             if fused_write:
                 q = self._rope_cache(qkv, cos, sin, self.hq, self.hkv, self.head_dim, kc, vc, meta.slot_mapping)
             else:
@@ -178,11 +210,32 @@ class LeanLlamaForward:
                 attn = torch.empty_like(q)
             attend(attn, q, kc, vc, at.block_tables, at.cu_seqlens_q, at.seq_lens, L.scale, L.window, 0.0)
             o = L.o_proj(attn.view(q.shape[0], self.hq * self.head_dim))
+            if L.post is not None:
+                # residual + norm(o), then the same around the MLP: each sum
+                # rounded in the model dtype, as the decoder layer adds.
+                residual = residual + self._norm_w32_new(o, L.post.attn)
+                residual = residual + self._norm_w32_new(L.down(L.act(residual)), L.post.mlp)
+                continue
             h = self._add_rms_norm(o, residual, L.post_norm.weight, L.post_norm.eps)
             x = L.down(L.act(h))
+        if self.final_w32 is not None:
+            return self._norm_w32_new(residual, self.final_w32)
         if x is None:
             return self.final_norm(residual)
         return self._add_rms_norm(x, residual, self.final_norm.weight, self.final_norm.eps)
+
+    def _norm_w32_new(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._norm_w32(x, norm[0], norm[1], out)
+        return out
+
+    def _norm_q_k(self, qkv: torch.Tensor, norms) -> None:
+        """OLMo 2's q_norm and k_norm, each over the whole projection (all
+        heads together), in place on the fused projection's q and k."""
+        nq, nk = self.hq * self.head_dim, self.hkv * self.head_dim
+        q, k = qkv[:, :nq], qkv[:, nq : nq + nk]
+        self._norm_w32(q, norms[0][0], norms[0][1], q)
+        self._norm_w32(k, norms[1][0], norms[1][1], k)
 
     def _norm_heads(self, qkv: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]) -> None:
         """Qwen3's q_norm / k_norm in place on the fused projection's q and k
@@ -198,8 +251,10 @@ class LeanLlamaForward:
 
 
 # Architectures whose decoder layer is Llama's up to q/k/v biases, sliding
-# windows and per-head q/k norms.
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+# windows, per-head q/k norms (Qwen3), or whole-projection q/k norms and
+# post-norms (OLMo 2).
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+POST_NORM = ("olmo2",)
 
 
 def _qk_norm(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -232,13 +287,19 @@ def build(model: torch.nn.Module) -> LeanLlamaForward | None:
     if getattr(model.config, "model_type", None) not in LLAMA_LIKE or inner is None:
         return None
     layers = getattr(inner, "layers", [])
-    if not layers or not isinstance(inner.norm, FusedRMSNorm):
+    post = model.config.model_type in POST_NORM
+    if not layers or not (post or isinstance(inner.norm, FusedRMSNorm)):
         return None
     for layer in layers:
         attn = layer.self_attn
-        if not (
-            isinstance(layer.input_layernorm, FusedRMSNorm)
+        norms_ok = (
+            all(hasattr(m, "weight") for m in (layer.post_attention_layernorm, layer.post_feedforward_layernorm))
+            if post
+            else isinstance(getattr(layer, "input_layernorm", None), FusedRMSNorm)
             and isinstance(layer.post_attention_layernorm, FusedRMSNorm)
+        )
+        if not (
+            norms_ok
             and isinstance(layer.mlp, FusedMLP)
             and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
         ):

@@ -128,33 +128,55 @@ def _weight(linear: torch.nn.Module) -> torch.Tensor:
 
 
 def fuse_llama_blocks(model: torch.nn.Module) -> int:
-    """Swaps every decoder layer's norms and MLP; returns the layers changed."""
+    """Swaps every decoder layer's norms and MLP; returns the layers changed.
+    A norm is swapped only where the native one computes exactly what it
+    does (Llama's rounding; not Gemma's 1 + weight, nor OLMo 2's fp32
+    weight product), an MLP only where it is down(silu(gate) * up)."""
     p = next(model.parameters())
     if not supported(p.dtype, p.device) or not _is_llama_like(model):
         return 0
     layers = model.model.layers
     for layer in layers:
-        layer.input_layernorm = FusedRMSNorm(layer.input_layernorm)
-        layer.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, name, None)
+            if norm is not None and _rounds_like_llama(norm):
+                setattr(layer, name, FusedRMSNorm(norm))
         if getattr(layer.mlp.act_fn, "__class__", None).__name__ in ("SiLUActivation", "SiLU"):
             layer.mlp = FusedMLP(layer.mlp)
-    model.model.norm = FusedRMSNorm(model.model.norm)
+    if _rounds_like_llama(model.model.norm):
+        model.model.norm = FusedRMSNorm(model.model.norm)
     mlp = layers[0].mlp if len(layers) else None
     _LOGGER.info(
         "fused RMSNorm and MLP",
         layers=len(layers),
+        norms=isinstance(model.model.norm, FusedRMSNorm),
         mlp_kernel=mlp.kernel if isinstance(mlp, FusedMLP) else "transformers",
     )
     return len(layers)
 
 
+def _rounds_like_llama(norm: torch.nn.Module) -> bool:
+    """Whether the native RMSNorm gives exactly `norm`'s output: tried on
+    rows of several scales at swap time, so a norm of another formula or
+    rounding keeps its own module."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(8, weight.shape[0], generator=g) * torch.logspace(-2, 2, 8).unsqueeze(1)).to(weight.dtype)
+        fused = FusedRMSNorm(norm)
+        with torch.no_grad():
+            return torch.equal(fused(x), norm(x))
+    except (RuntimeError, TypeError):
+        return False
+
+
 def _is_llama_like(model: torch.nn.Module) -> bool:
     try:
         layer = model.model.layers[0]
-        return (
-            all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            and hasattr(layer, "input_layernorm")
-            and hasattr(layer, "post_attention_layernorm")
+        return all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) and hasattr(
+            layer, "post_attention_layernorm"
         )
     except (AttributeError, IndexError, TypeError):
         return False

@@ -205,6 +205,10 @@ def _llama_like(kind: str) -> torch.nn.Module:
         model = MistralForCausalLM(MistralConfig(**common))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**small()))
+    elif kind == "olmo2":
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+
+        model = Olmo2ForCausalLM(Olmo2Config(**small()))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=2))
     with torch.no_grad():
@@ -214,8 +218,8 @@ def _llama_like(kind: str) -> torch.nn.Module:
 
 
 @needs_bf16
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
-def test_lean_forward_runs_mistral_qwen2_and_qwen3_like_their_transformers_forward(kind):
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "olmo2"])
+def test_lean_forward_runs_mistral_qwen2_qwen3_and_olmo2_like_their_transformers_forward(kind):
     import copy
 
     from executor.cpu.fast_forward import build
@@ -226,8 +230,9 @@ def test_lean_forward_runs_mistral_qwen2_and_qwen3_like_their_transformers_forwa
     hf = ModelRunner(copy.deepcopy(model), 16, 64, lean_forward=False)
     assert lean.lean is not None and hf.lean is None
     windows = [L.window for L in lean.lean.layers]
-    assert windows == {"mistral": [16] * 4, "qwen2": [0, 0, 16, 16], "qwen3": [0] * 4}[kind]
+    assert windows == {"mistral": [16] * 4, "qwen2": [0, 0, 16, 16], "qwen3": [0] * 4, "olmo2": [0] * 4}[kind]
     assert all((L.qk_norm is not None) == (kind == "qwen3") for L in lean.lean.layers)
+    assert all((L.post is not None) == (L.qk_full_norm is not None) == (kind == "olmo2") for L in lean.lean.layers)
     _assert_greedy_agrees(greedy(lean, prompts, 12), greedy(hf, prompts, 12))
     assert build(_llama_like(kind).float()) is None  # fp32: no fused modules, the transformers forward
 
@@ -248,3 +253,56 @@ def test_the_lean_q_k_norm_is_qwen3s_per_head_norm_bit_for_bit():
     # What _norm_heads does: unit weight in the kernel, then the weight.
     unit = fused.rms_norm(heads, torch.ones_like(norm.weight), 1e-6)
     assert torch.equal(unit * norm.weight, norm(heads))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_w32_is_olmo2s_and_gemmas_norm_bit_for_bit(dtype):
+    """The fp32-weight RMSNorm of the OLMo 2 lean forward against the
+    modules it stands for, in place on strided rows (a slice of a fused
+    projection) as the forward calls it, and with Gemma's 1 + weight."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    import native._fused as fused
+
+    torch.manual_seed(0)
+    olmo, gemma = Olmo2RMSNorm(96, eps=1e-6), Gemma2RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        olmo.weight.copy_(torch.randn(96))
+        gemma.weight.copy_(torch.randn(96) * 0.3)
+    olmo, gemma = olmo.to(dtype), gemma.to(dtype)
+    fused_proj = (torch.randn(37, 96 + 40) * torch.logspace(-2, 2, 37).unsqueeze(1)).to(dtype)
+    rows = fused_proj[:, :96]
+    want_olmo, want_gemma = olmo(rows.contiguous()), gemma(rows.contiguous())
+    out = torch.empty_like(want_olmo)
+    # bf16 (where the lean forward runs) bit for bit; fp32 has no final
+    # rounding to absorb the kernel's own order of summation.
+    same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    fused.rms_norm_w32_(rows, (1.0 + gemma.weight.detach().float()).contiguous(), 1e-6, out)
+    assert same(out, want_gemma)
+    tail = fused_proj[:, 96:].clone()
+    fused.rms_norm_w32_(rows, olmo.weight.detach().float().contiguous(), 1e-6, rows)
+    assert same(rows, want_olmo) and torch.equal(fused_proj[:, 96:], tail)
+    with pytest.raises(RuntimeError, match="fp32"):
+        fused.rms_norm_w32_(rows, olmo.weight.detach().half(), 1e-6, rows)
+
+
+@needs_bf16
+def test_only_norms_that_round_like_llamas_are_swapped():
+    """Gemma's (1 + weight) norms and OLMo 2's fp32-weight norms keep their
+    modules (the native Llama norm would change their output); their MLPs
+    still fuse where they are SiLU-gated."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tests.small_configs import small
+
+    torch.manual_seed(0)
+    gemma = ModelRunner(Gemma2ForCausalLM(Gemma2Config(**small())).to(torch.bfloat16), 16, 64)
+    layer = gemma.model.model.layers[0]
+    assert not isinstance(layer.input_layernorm, FusedRMSNorm) and gemma.lean is None
+    assert not isinstance(gemma.model.model.norm, FusedRMSNorm)
+    olmo = ModelRunner(_llama_like("olmo2"), 16, 64)
+    assert isinstance(olmo.model.model.layers[0].mlp, FusedMLP)
+    assert not isinstance(olmo.model.model.layers[0].post_attention_layernorm, FusedRMSNorm)
+    tiny = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
+    assert isinstance(tiny.model.model.layers[0].input_layernorm, FusedRMSNorm)

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 #include "bf16_vec.h"
 #include "cpu_isa.h"
@@ -53,6 +54,23 @@ void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, floa
         T y = static_cast<T>(static_cast<float>(xr[i]) * inv);  // hidden.to(input_dtype)
         orow[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(y));
       }
+    }
+  });
+}
+
+// out = (w * (x * rsqrt(mean(x^2) + eps))).to(T) with w in fp32: the rounding
+// of RMSNorms that scale before casting (OLMo 2's; Gemma's with w = 1 + weight).
+// Rows `xs` / `os` elements apart; out may be x (each row is read whole first).
+template <typename T>
+void rms_norm_w32_rows(T* out, int64_t os, const T* x, int64_t xs, const float* w, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * xs;
+      T* orow = out + r * os;
+      float ss = 0.f;
+      for (int64_t i = 0; i < h; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      for (int64_t i = 0; i < h; ++i) orow[i] = static_cast<T>(w[i] * (static_cast<float>(xr[i]) * inv));
     }
   });
 }
@@ -105,21 +123,44 @@ inline void rope_row(T* y, const T* x, const T* c, const T* s, int64_t D) {
   }
 }
 
-// Token t's k and v heads go to row `slots[t]` of k / v ([rows, Hkv, D]; a
-// negative slot skips them), or to row t when `slots` is null.
+// The same with an fp32 table in fp32 arithmetic, rounded to T once at the
+// end: models whose rotary runs in fp32 (OLMo 2's cos / sin stay fp32, so
+// `q * cos + rotate_half(q) * sin` is computed there and cast back).
 template <typename T>
-void rope_split_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, T* v, const int64_t* slots, int64_t rows,
+inline void rope_row_f32(T* y, const T* x, const float* c, const float* s, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+    const float a = x1 * c[i], b = -x2 * s[i];
+    y[i] = static_cast<T>(a + b);
+    const float e = x2 * c[half + i], f = x1 * s[half + i];
+    y[half + i] = static_cast<T>(e + f);
+  }
+}
+
+// Token t's k and v heads go to row `slots[t]` of k / v ([rows, Hkv, D]; a
+// negative slot skips them), or to row t when `slots` is null. C: the
+// table's type (T, or float for an fp32 rotary).
+template <typename T, typename C = T>
+void rope_split_rows(const T* qkv, const C* cos, const C* sin, T* q, T* k, T* v, const int64_t* slots, int64_t rows,
                      int64_t hq, int64_t hkv, int64_t D) {
   const int64_t width = (hq + 2 * hkv) * D;
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t t = r0; t < r1; ++t) {
       const T* src = qkv + t * width;
-      const T* c = cos + t * D;
-      const T* s = sin + t * D;
-      for (int64_t h = 0; h < hq; ++h) rope_row<T>(q + (t * hq + h) * D, src + h * D, c, s, D);
+      const C* c = cos + t * D;
+      const C* s = sin + t * D;
+      auto rotate = [&](T* y, const T* x) {
+        if constexpr (std::is_same<C, float>::value) {
+          rope_row_f32<T>(y, x, c, s, D);  // for T = float both forms are the same
+        } else {
+          rope_row<T>(y, x, c, s, D);
+        }
+      };
+      for (int64_t h = 0; h < hq; ++h) rotate(q + (t * hq + h) * D, src + h * D);
       const int64_t dst = slots != nullptr ? slots[t] : t;
       if (dst < 0) continue;
-      for (int64_t h = 0; h < hkv; ++h) rope_row<T>(k + (dst * hkv + h) * D, src + (hq + h) * D, c, s, D);
+      for (int64_t h = 0; h < hkv; ++h) rotate(k + (dst * hkv + h) * D, src + (hq + h) * D);
       const T* vs = src + (hq + hkv) * D;
       T* vd = v + dst * hkv * D;
       for (int64_t i = 0; i < hkv * D; ++i) vd[i] = vs[i];
@@ -311,6 +352,28 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
+// out = (weight * (x * rsqrt(mean(x^2) + eps))).to(dtype), weight in fp32
+// (rms_norm_w32_rows), written into `out`.
+//   x, out [R, H] of one dtype, unit stride along H (rows may be strided: a
+//          slice of a fused projection); out may be x itself
+//   weight [H] fp32 contiguous
+void rms_norm_w32_(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
+  for (const torch::Tensor* t : {&x, static_cast<const torch::Tensor*>(&out)}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1,
+                "x and out must be [R, H] CPU tensors with unit stride along H");
+  }
+  TORCH_CHECK(x.sizes() == out.sizes() && x.scalar_type() == out.scalar_type(), "x and out differ in shape or dtype");
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  weight.dim() == 1 && weight.size(0) == x.size(1),
+              "weight must be fp32 [H]");
+  const int64_t rows = x.size(0), h = x.size(1);
+  if (rows == 0 || h == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_w32_", [&] {
+    rms_norm_w32_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), x.data_ptr<scalar_t>(), x.stride(0),
+                                weight.data_ptr<float>(), rows, h, static_cast<float>(eps));
+  });
+}
+
 // out = silu(gate_up[..., :I]) * gate_up[..., I:]
 //   gate_up [..., 2I] contiguous (gate then up, as a fused projection gives)
 // returns   [..., I]  new tensor
@@ -374,8 +437,9 @@ void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const t
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * head_dim, "qkv must be [T, (Hq + 2 Hkv) * D]");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
               "cos and sin must be [T, head_dim]");
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
-              "qkv, cos and sin must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type() &&
+                  (cos.scalar_type() == qkv.scalar_type() || cos.scalar_type() == at::kFloat),
+              "qkv, cos and sin must share a dtype (or cos and sin be fp32: a rotary computed in fp32)");
 }
 
 // Rotary on q (into q) and k, k and v of token t into row slots[t] of k / v
@@ -384,6 +448,14 @@ void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::T
               torch::Tensor& k, torch::Tensor& v, const int64_t* slots, int64_t hq, int64_t hkv, int64_t head_dim) {
   const int64_t T = qkv.size(0);
   if (T == 0) return;
+  if (cos.scalar_type() != qkv.scalar_type()) {  // an fp32 table: rotary in fp32, one rounding
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_split_f32", [&] {
+      rope_split_rows<scalar_t, float>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                       q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots, T,
+                                       hq, hkv, head_dim);
+    });
+    return;
+  }
 #if CB_FUSED_X86
   if (qkv.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     using B = c10::BFloat16;
@@ -410,7 +482,7 @@ void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::T
 
 // Rotary embedding on a fused QKV projection, split into contiguous heads.
 //   qkv      [T, (Hq + 2 Hkv) * D] contiguous (q heads, then k, then v)
-//   cos, sin [T, D] same dtype (the model's rotary table at each token's position)
+//   cos, sin [T, D] qkv's dtype, or fp32 (the rotary then runs in fp32, rounded once)
 // returns (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]), rotary applied to q and k.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Tensor& cos,
                                                                    const torch::Tensor& sin, int64_t hq, int64_t hkv,
@@ -487,6 +559,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cbserve fused element-wise ops (CPU)";
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
         "RMSNorm over the last dim with Hugging Face Llama rounding; returns a new tensor.");
+  m.def("rms_norm_w32_", &rms_norm_w32_, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>(),
+        "out = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype) with an fp32 weight (OLMo 2 / Gemma "
+        "rounding); x and out [R, H], rows may be strided, out may be x.");
   m.def("silu_and_mul", &silu_and_mul, py::arg("gate_up"),
         "silu(gate) * up for gate_up = [gate | up] on the last dim; returns a new tensor.");
   m.def("argmax", &argmax, py::arg("x"),
