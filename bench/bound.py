@@ -20,6 +20,7 @@ bound on tokens/s.
 
     python -m bench bound [--caps 128 512] [--seeds 6 7 8] [--peak-gflops 400]
         [--bandwidth-gbs 34] [--overhead-ms 0.3] [--budget 512] [--results R.json ...]
+        [--model CHECKPOINT_DIR]
 
 `--results` takes `bench run` result files of the same workloads (any
 system) and prints each run's time beside the bound.
@@ -32,7 +33,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.roofline import SMOLLM2, dtype_bytes, param_count, step_bytes
+from bench.roofline import SMOLLM2, dtype_bytes, param_count, shapes_of, step_bytes
 from bench.server import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from bench.workload import WorkloadSpec, materialise
 
@@ -196,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--overhead-ms", type=float, default=0.3, help="per iteration outside the forward")
     ap.add_argument("--results", nargs="*", default=[], help="bench run result files to set beside the bound")
+    ap.add_argument("--model", default=None, help="a checkpoint directory: its shapes (default: SmolLM2's)")
     a = ap.parse_args(argv)
     m = Machine(a.peak_gflops * 1e9, a.bandwidth_gbs * 1e9, a.overhead_ms / 1e3)
-    cost = ModelCost.of(dtype=a.dtype)
+    cost = ModelCost.of(shapes_of(a.model) if a.model else SMOLLM2, dtype=a.dtype)
     measured = _measured(a.results, a.dtype)
     print(
         f"FCFS bound ({a.dtype}): {a.peak_gflops:g} GFLOP/s, {a.bandwidth_gbs:g} GB/s, {a.overhead_ms:g} ms/iteration, "

