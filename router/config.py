@@ -36,6 +36,8 @@ __all__ = [
 ]
 
 BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic")
+# The --model values that mean the embedded SmolLM2 (executor/model_source.py takes the same).
+DEFAULT_MODEL_SPECS = ("smollm2", "default", "SmolLM2-135M-Instruct")
 # server.tool_call_parser's values: router/tool_calls.py reads the formats.
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 
@@ -381,7 +383,7 @@ def default_model_name(spec: str) -> str:
     """The name a model spec is served under when none is given: what the
     executor reports for it (executor/model_source.py names it the same way)."""
     spec = spec.strip()
-    if spec in ("", "smollm2", "default", "SmolLM2-135M-Instruct"):
+    if spec in ("", *DEFAULT_MODEL_SPECS):
         return "SmolLM2-135M-Instruct"
     if spec == "tiny" or spec.startswith("tiny:"):
         return "tiny-random-llama"

@@ -339,9 +339,9 @@ class OpenAIApi:
     async def health(self, request: HttpRequest) -> Response:
         """200 while any model serves; `?model=NAME` asks about one."""
         name = request.query_params.get("model")
-        engine = self.models.get(name) if name in self.apis else None
-        if name and engine is None:
+        if name and name not in self.apis:
             return Response(status_code=404)
+        engine = self.apis[name].engine if name else None
         return Response(status_code=200 if self.models.serving(engine) else 503)
 
     async def version(self, request: HttpRequest) -> Response:

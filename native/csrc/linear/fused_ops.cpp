@@ -41,15 +41,21 @@ void check_norm_args(const torch::Tensor& x, const torch::Tensor& weight) {
 }
 
 // ---- portable reference loops (any float dtype) -----------------------------
+// 1 / sqrt(mean(x^2) + eps) of one row, summed in fp32.
+template <typename T>
+inline float inv_rms(const T* x, int64_t h, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < h; ++i) ss += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  return 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+}
+
 template <typename T>
 void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * h;
       T* orow = out + r * h;
-      float ss = 0.f;
-      for (int64_t i = 0; i < h; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      const float inv = inv_rms(xr, h, eps);
       for (int64_t i = 0; i < h; ++i) {
         T y = static_cast<T>(static_cast<float>(xr[i]) * inv);  // hidden.to(input_dtype)
         orow[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(y));
@@ -67,9 +73,7 @@ void rms_norm_w32_rows(T* out, int64_t os, const T* x, int64_t xs, const float* 
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * xs;
       T* orow = out + r * os;
-      float ss = 0.f;
-      for (int64_t i = 0; i < h; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      const float inv = inv_rms(xr, h, eps);
       for (int64_t i = 0; i < h; ++i) orow[i] = static_cast<T>(w[i] * (static_cast<float>(xr[i]) * inv));
     }
   });
