@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from executor import model_loader, model_source
-from executor.cpu.fused_modules import FusedMLP, FusedRMSNorm
+from executor.cpu.fused_modules import FusedExperts, FusedMLP, FusedRMSNorm
 from executor.cpu.packed_linear import PackedLinear
 from executor.runner import ModelRunner
 from tests.executor.helpers import count_fused_calls, greedy, needs_bf16
@@ -65,6 +65,35 @@ def test_rope_split_is_bit_exact_with_transformers(dtype):
     assert torch.equal(v, qkv[:, (hq + hkv) * D :].view(T, hkv, D))
     with pytest.raises(RuntimeError, match="qkv must be"):
         fused.rope_split(qkv[:, 1:].contiguous(), cos[0].contiguous(), sin[0].contiguous(), hq, hkv, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_split_turns_the_first_dims_of_a_partial_rotary_as_transformers(dtype):
+    """Phi-4-mini's partial rotary: the table covers R < D dims of each head;
+    those turn (rotate-half over R), the others pass unchanged."""
+    from transformers.models.phi3.modeling_phi3 import Phi3Config, Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    import native._fused as fused
+
+    torch.manual_seed(0)
+    T, hq, hkv, D = 29, 6, 2, 32
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    cfg = Phi3Config(hidden_size=hq * D, num_attention_heads=hq, num_key_value_heads=hkv, rope_parameters=rope)
+    qkv = torch.randn(T, (hq + 2 * hkv) * D).to(dtype)
+    cos, sin = Phi3RotaryEmbedding(cfg)(qkv, (torch.arange(T) * 5 + 1)[None])
+    assert cos.shape[-1] == 24
+    q, k, v = fused.rope_split(qkv, cos[0].contiguous(), sin[0].contiguous(), hq, hkv, D)
+    q_ref, k_ref = apply_rotary_pos_emb(
+        qkv[:, : hq * D].view(1, T, hq, D).transpose(1, 2),
+        qkv[:, hq * D : (hq + hkv) * D].view(1, T, hkv, D).transpose(1, 2),
+        cos,
+        sin,
+    )
+    assert torch.equal(q, q_ref[0].transpose(0, 1)) and torch.equal(k, k_ref[0].transpose(0, 1))
+    assert torch.equal(v, qkv[:, (hq + hkv) * D :].view(T, hkv, D))
+    with pytest.raises(RuntimeError, match="at most head_dim"):
+        wide = torch.cat([cos[0], cos[0]], -1).contiguous()
+        fused.rope_split(qkv, wide, wide, hq, hkv, D)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -186,8 +215,9 @@ def test_greedy_lm_head_argmax_gives_the_tokens_of_logits_then_argmax(monkeypatc
 
 def _llama_like(kind: str) -> torch.nn.Module:
     """A tiny random Mistral (window 16), Qwen2 (q/k/v biases, windows on
-    its upper layers) or Qwen3 (per-head q/k norms) in bf16, weights
-    sharpened so windows change tokens."""
+    its upper layers), Qwen3 (per-head q/k norms), OLMo 2, or another of
+    tests/small_configs.ARCHS, or the tiny Llama, in bf16, weights sharpened
+    so windows change tokens."""
     from transformers import (
         MistralConfig,
         MistralForCausalLM,
@@ -197,11 +227,15 @@ def _llama_like(kind: str) -> torch.nn.Module:
         Qwen3ForCausalLM,
     )
 
-    from tests.small_configs import small
+    from tests.small_configs import ARCHS, small
 
     common = small(sliding_window=16)
     torch.manual_seed(1)
-    if kind == "mistral":
+    if kind == "llama":
+        model = model_loader.load_model(model_source.resolve("tiny"), torch.float32)
+    elif kind in ("granite", "phi3", "phi4_mini", "gemma2", "gemma3", *MOE_KINDS):
+        model = ARCHS[kind]()
+    elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**small()))
@@ -217,9 +251,16 @@ def _llama_like(kind: str) -> torch.nn.Module:
     return model.to(torch.bfloat16).eval()
 
 
+LEAN_KINDS = [
+    *("mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3", "phi4_mini", "gemma2", "gemma3"),
+    *("mixtral", "qwen2_moe", "qwen3_moe"),
+]
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
 @needs_bf16
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "olmo2"])
-def test_lean_forward_runs_mistral_qwen2_qwen3_and_olmo2_like_their_transformers_forward(kind):
+@pytest.mark.parametrize("kind", LEAN_KINDS)
+def test_lean_forward_runs_each_architecture_like_its_transformers_forward(kind):
     import copy
 
     from executor.cpu.fast_forward import build
@@ -229,12 +270,66 @@ def test_lean_forward_runs_mistral_qwen2_qwen3_and_olmo2_like_their_transformers
     lean = ModelRunner(copy.deepcopy(model), 16, 64)
     hf = ModelRunner(copy.deepcopy(model), 16, 64, lean_forward=False)
     assert lean.lean is not None and hf.lean is None
-    windows = [L.window for L in lean.lean.layers]
-    assert windows == {"mistral": [16] * 4, "qwen2": [0, 0, 16, 16], "qwen3": [0] * 4, "olmo2": [0] * 4}[kind]
-    assert all((L.qk_norm is not None) == (kind == "qwen3") for L in lean.lean.layers)
-    assert all((L.post is not None) == (L.qk_full_norm is not None) == (kind == "olmo2") for L in lean.lean.layers)
+    layers = lean.lean.layers
+    windows = {"mistral": [16] * 4, "qwen2": [0, 0, 16, 16], "gemma2": [16, 0] * 2, "gemma3": [16, 0] * 2}
+    assert [L.window for L in layers] == windows.get(kind, [0] * 4)
+    assert all((L.qk_norm is not None) == (kind in ("qwen3", "qwen3_moe")) for L in layers)
+    assert all((L.moe is not None) == (kind in MOE_KINDS) == (L.act is None) for L in layers)
+    if kind in MOE_KINDS:
+        assert all(isinstance(L.moe.experts, FusedExperts) for L in layers)
+    assert all((L.post is not None) == (L.qk_full_norm is not None) == (kind == "olmo2") for L in layers)
+    assert all((L.sandwich is not None) == kind.startswith("gemma") for L in layers)
+    assert all((L.qk_head_norm is not None) == (kind == "gemma3") for L in layers)
+    assert [L.softcap for L in layers] == [1.5 if kind == "gemma2" else 0.0] * 4
+    assert [L.residual_scale for L in layers] == [0.3 if kind == "granite" else 1.0] * 4
+    assert lean.lean.embed_scale == (6.0 if kind == "granite" else 1.0)
+    if kind == "gemma3":  # each layer type rotates with its own table
+        assert [L.rope for L in layers] == ["sliding_attention", "full_attention"] * 2
+    if kind.startswith("gemma"):
+        assert layers[0].down.__self__.__class__.__name__ == "PackedLinear"
+        assert "gelu_tanh" in lean.model.model.layers[0].mlp.kernel
     _assert_greedy_agrees(greedy(lean, prompts, 12), greedy(hf, prompts, 12))
     assert build(_llama_like(kind).float()) is None  # fp32: no fused modules, the transformers forward
+
+
+def _prompt_logprobs(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    """The runner's logprob of each prompt token after the first (one
+    prefill of the whole prompt: every row through every layer)."""
+    from cbserve.v1 import executor_pb2 as pb
+
+    seq = pb.ScheduledSeq(
+        seq_id=0,
+        num_tokens=len(prompt),
+        new_block_ids=list(range(-(-(len(prompt) + 1) // runner.block_size))),
+        new=pb.NewSeq(token_ids=prompt, sampling=pb.SeqSampling(prompt_logprobs=True)),
+    )
+    out = runner.step(pb.Plan(seqs=[seq]))
+    runner.reset()
+    return torch.tensor(out.prompt_logprobs[0].logprobs)
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["llama", *LEAN_KINDS])
+def test_bf16_lean_forward_logprobs_are_within_tolerance_of_the_fp32_reference(kind):
+    """The stated bf16 tolerance: over a 90-token prompt, each prompt token's
+    logprob from the bf16 lean forward is within 0.15 nats of the fp32
+    transformers model's (0.03 on average), and no further from it than the
+    bf16 transformers forward with its stock modules is, plus 0.01."""
+    import copy
+
+    model = _llama_like(kind).float()
+    prompt = [(11 * i + 7) % 250 + 3 for i in range(90)]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    ref = logits.log_softmax(-1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
+    bf = copy.deepcopy(model).to(torch.bfloat16)
+    lean_runner = ModelRunner(copy.deepcopy(bf), 16, 64)
+    assert lean_runner.lean is not None
+    lean = (_prompt_logprobs(lean_runner, prompt) - ref).abs()
+    stock = (_prompt_logprobs(ModelRunner(bf, 16, 64, prepack=False), prompt) - ref).abs()
+    assert lean.max() <= 0.15 and lean.mean() <= 0.03
+    assert lean.max() <= stock.max() + 0.01 and lean.mean() <= stock.mean() + 0.01
 
 
 @needs_bf16
@@ -299,10 +394,129 @@ def test_only_norms_that_round_like_llamas_are_swapped():
     torch.manual_seed(0)
     gemma = ModelRunner(Gemma2ForCausalLM(Gemma2Config(**small())).to(torch.bfloat16), 16, 64)
     layer = gemma.model.model.layers[0]
-    assert not isinstance(layer.input_layernorm, FusedRMSNorm) and gemma.lean is None
+    assert not isinstance(layer.input_layernorm, FusedRMSNorm)
     assert not isinstance(gemma.model.model.norm, FusedRMSNorm)
+    # The lean forward runs Gemma's norms itself (rms_norm_w32_, with 1 + weight).
+    assert gemma.lean is not None and isinstance(layer.mlp, FusedMLP) and layer.mlp.activation == "gelu_tanh"
     olmo = ModelRunner(_llama_like("olmo2"), 16, 64)
     assert isinstance(olmo.model.model.layers[0].mlp, FusedMLP)
     assert not isinstance(olmo.model.model.layers[0].post_attention_layernorm, FusedRMSNorm)
     tiny = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
     assert isinstance(tiny.model.model.layers[0].input_layernorm, FusedRMSNorm)
+
+
+@needs_bf16
+@pytest.mark.parametrize("kernel", ["silu_and_mul", "amx_linear_silu_mul", "avx512_linear_silu_mul"])
+def test_gelu_tanh_gated_mlp_kernels_match_torch(kernel):
+    """Gemma's gelu_pytorch_tanh(gate) * up in each native pass. The kernels
+    compute GELU as g / (1 + exp(-2a)), which torch's 0.5 g (1 + tanh(a))
+    equals but for its cancellation at large negative g: element-wise
+    silu_and_mul agrees to one bf16 rounding step (or 1e-5 where GELU is ~0);
+    the matmul passes, whose gate and up may round differently from torch's
+    matmul, to two more."""
+    import native._fused as fused
+
+    torch.manual_seed(0)
+    M, K, inter = 37, 96, 64
+    x = torch.randn(M, K).to(torch.bfloat16)
+    w = (torch.randn(2 * inter, K) * 0.4).to(torch.bfloat16)
+    gate_up = (x @ w.t()).contiguous()
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    if kernel == "silu_and_mul":
+        got, rtol = fused.silu_and_mul(gate_up, "gelu_tanh"), 2**-8
+        assert torch.equal(fused.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)  # the default
+        with pytest.raises(RuntimeError, match="activation must be"):
+            fused.silu_and_mul(gate_up, "relu")
+    else:
+        if not (fused.amx_linear_supported() if kernel.startswith("amx") else fused.avx512_linear_supported()):
+            pytest.skip(f"{kernel} needs its CPU feature")
+        got, rtol = getattr(fused, kernel)(x, fused.amx_pack_gate_up(w), inter, "gelu_tanh"), 2**-6
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma_norm_add_norm_and_per_head_norms_are_its_modules_bit_for_bit(dtype):
+    """norm_add_norm_w32: residual + post_norm(x), then the next pre-norm, as
+    Gemma's decoder layer computes them; rms_norm_w32_ over [T, heads, D]
+    views of a fused projection (Gemma 3's q/k norms) in place."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    import native._fused as fused
+
+    torch.manual_seed(0)
+    norms = [Gemma3RMSNorm(96, eps=1e-6) for _ in range(2)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_(torch.randn(96) * 0.3)
+    post, pre = (n.to(dtype) for n in norms)
+    x = (torch.randn(23, 96) * torch.logspace(-1, 1, 23).unsqueeze(1)).to(dtype)
+    residual = (torch.randn(23, 96) * 4).to(dtype)
+    want_res = residual + post(x)
+    want = pre(want_res)
+    w = [(1.0 + n.weight.detach().float()).contiguous() for n in (post, pre)]
+    got = fused.norm_add_norm_w32(x, residual, w[0], 1e-6, w[1], 1e-6)
+    same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert same(residual, want_res) and same(got, want)
+    head = Gemma3RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(32) * 0.3)
+    head = head.to(dtype)
+    proj = torch.randn(11, 5 * 32 + 64).to(dtype)  # 5 heads of 32, then other columns
+    heads = proj[:, : 5 * 32].view(11, 5, 32)
+    want_heads, tail = head(heads.contiguous()), proj[:, 5 * 32 :].clone()
+    fused.rms_norm_w32_(heads, (1.0 + head.weight.detach().float()).contiguous(), 1e-6, heads)
+    assert same(heads, want_heads) and torch.equal(proj[:, 5 * 32 :], tail)
+    with pytest.raises(RuntimeError, match="fp32"):
+        fused.norm_add_norm_w32(x, residual, w[0].half(), 1e-6, w[1], 1e-6)
+
+
+@needs_bf16
+def test_an_mlp_with_biases_keeps_its_module():
+    """The fused gate|up pass has no biases: a Llama with mlp_bias keeps the
+    stock MLP (and the transformers forward), so its biases still count."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from executor.cpu.fused_modules import mlp_activation
+    from tests.small_configs import small
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**small(mlp_bias=True))).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for p in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                p.weight.mul_(4.0)
+                p.bias.normal_()
+    model = model.to(torch.bfloat16)
+    assert mlp_activation(model.model.layers[0].mlp) is None
+    stock = ModelRunner(copy.deepcopy(model), 16, 64, prepack=False)
+    runner = ModelRunner(model, 16, 64)
+    assert not isinstance(runner.model.model.layers[0].mlp, FusedMLP) and runner.lean is None
+    prompts = [[(7 * i + 5 * L) % 250 + 3 for i in range(L)] for L in (9, 40)]
+    assert greedy(runner, prompts, 8) == greedy(stock, prompts, 8)
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_fused_experts_compute_what_the_expert_bank_computes(kind):
+    """FusedExperts against the transformers expert bank it replaces, on the
+    same rows, routing and weights in bf16: each expert's packed gate|up pass
+    and down projection, the routing weight and the expert-ordered sum; the
+    two differ only in how their matmuls block the fp32 sums."""
+    import copy
+
+    from executor.cpu.fused_modules import moe_experts
+    from tests.small_configs import ARCHS
+
+    torch.manual_seed(0)
+    block = ARCHS[kind]().model.layers[0].mlp.to(torch.bfloat16)
+    experts = moe_experts(block)
+    fused = FusedExperts(copy.deepcopy(experts), "silu")
+    h = torch.randn(53, experts.gate_up_proj.shape[2]).to(torch.bfloat16)
+    _, weights, index = block.gate(h)
+    index[:5] = index[5]  # several rows on the same experts, some experts idle in a small batch
+    got, want = fused(h, index, weights), experts(h, index, weights)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-3)
+    assert torch.equal(fused(h[:0], index[:0], weights[:0]), h[:0])  # no rows, no work

@@ -32,8 +32,8 @@
 // amx_linear_silu_mul is the MLP's gate|up projection on the same loop with
 // a different epilogue: amx_pack_gate_up interleaves the gate and up rows in
 // blocks of 16, so a thread's pair of column blocks is the gate and the up of
-// the same 16 features, and the pair's accumulators become silu(gate) * up
-// directly (the [M, 2I] projection is never written).
+// the same 16 features, and the pair's accumulators become act(gate) * up
+// directly, act SiLU or GELU-tanh (the [M, 2I] projection is never written).
 
 #include "amx_linear.h"
 
@@ -115,16 +115,24 @@ CB_AMX void store_block(const float* acc, const uint16_t* bias, uint16_t* y, int
 }
 
 // The SiLU-and-mul epilogue: rows [r0, r0 + rows) x features [f0, f0 + 16)
-// of y [M, I] = silu(gate) * up from the gate and up accumulator tiles, each
+// of y [M, I] = act(gate) * up from the gate and up accumulator tiles, each
 // rounded to bf16 first as the separate projection would store it.
-CB_AMX void store_silu_mul(const float* gate, const float* up, uint16_t* y, int64_t rows, int64_t I, int64_t f0) {
+CB_AMX void store_act_mul(const float* gate, const float* up, uint16_t* y, int64_t rows, int64_t I, int64_t f0,
+                          Act act) {
   const __mmask16 m = lanes(I - f0);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 g = round_bf16(_mm512_loadu_ps(gate + r * kTileN));
     const __m512 u = round_bf16(_mm512_loadu_ps(up + r * kTileN));
-    store_bf16(reinterpret_cast<c10::BFloat16*>(y + r * I + f0), silu_mul(g, u), m);
+    store_bf16(reinterpret_cast<c10::BFloat16*>(y + r * I + f0), act_mul(act, g, u), m);
   }
 }
+
+// The gate|up epilogue's shape: y [M, inter] = act(gate) * up; inter 0 for a
+// plain projection.
+struct Gated {
+  int64_t inter = 0;
+  Act act = Act::kSilu;
+};
 
 // What the epilogue of one pass needs: its four accumulator tiles, stored to
 // memory, and where they go in y.
@@ -170,9 +178,9 @@ CB_AMX void argmax_block(const float* acc, const uint16_t* bias, int64_t rows, i
 }
 
 // The epilogue of a pass: rows [m0, m0 + 32) x the pair's 32 features of y
-// (+ bias), or silu(gate) * up when silu_inter > 0, or (with `am`) only the
+// (+ bias), or act(gate) * up when gated.inter > 0, or (with `am`) only the
 // rows' running argmax.
-CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N, int64_t silu_inter,
+CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N, Gated gated,
                         ArgmaxRows* am) {
   constexpr int64_t kAcc = kTileM * kTileN;
   const int64_t n0 = out.nb * kTileN;
@@ -186,8 +194,8 @@ CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, i
       if (out.two) argmax_block(a0 + kAcc, bias, rows, N, n0 + kTileN, *am, r0);
       continue;
     }
-    if (silu_inter > 0) {
-      store_silu_mul(a0, a0 + kAcc, y + r0 * silu_inter, rows, silu_inter, n0 / 2);
+    if (gated.inter > 0) {
+      store_act_mul(a0, a0 + kAcc, y + r0 * gated.inter, rows, gated.inter, n0 / 2, gated.act);
       continue;
     }
     store_block(a0, bias, y + r0 * N, rows, N, n0);
@@ -244,8 +252,8 @@ CB_AMX void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst) {
 }
 
 // Column blocks nb and nb + 1 (when `two`) for rows m0 .. m0 + 31 of x (one
-// pass). With `silu_inter` > 0 the pair is (gate block, up block) of a weight
-// packed by amx_pack_gate_up and y is [M, silu_inter]: silu(gate) * up.
+// pass). With `gated.inter` > 0 the pair is (gate block, up block) of a weight
+// packed by amx_pack_gate_up and y is [M, gated.inter]: act(gate) * up.
 //
 // The epilogue of each pass runs one pass late (`pending`, alternating
 // between the two halves of `acc`): reading accumulators straight after the
@@ -253,8 +261,8 @@ CB_AMX void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst) {
 // about a fifth of a batch-64 decode step's linear layers; a pass later the
 // lines are plain L1 hits and the vector work overlaps the next pass's tiles.
 CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
-                      int64_t Mpad, int64_t Kpad, int64_t N, int64_t nb, bool two, int64_t m0, int64_t silu_inter,
-                      float* acc, int& slot, PassOut& pending, ArgmaxRows* am, int64_t wp_nb0, bool pair_major,
+                      int64_t Mpad, int64_t Kpad, int64_t N, int64_t nb, bool two, int64_t m0, Gated gated, float* acc,
+                      int& slot, PassOut& pending, ArgmaxRows* am, int64_t wp_nb0, bool pair_major,
                       Fmt fmt = Fmt::kBf16, const uint8_t* q = nullptr, uint16_t* qbuf = nullptr) {
   constexpr int64_t kAcc = kTileM * kTileN;
   const int64_t kblocks = Kpad / kTileK;
@@ -313,7 +321,7 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
       if (two) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, silu_inter, am);
+  if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, gated, am);
   float* a = acc + slot * 4 * kAcc;
   slot ^= 1;
   _tile_stored(0, a, 64);
@@ -341,7 +349,7 @@ CB_AMX void dequant_tiles(Fmt fmt, const uint8_t* src, uint16_t* dst, int64_t co
 // within each pair, x was re-read from L2 for every pair).
 CB_AMX void run_pairs(const uint16_t* xp, const void* weights, Fmt fmt, const uint16_t* bias, uint16_t* y, int64_t M,
                       int64_t Mpad, int64_t Kpad, int64_t N, int64_t nblocks, std::atomic<int64_t>& next, int64_t chunk,
-                      int64_t silu_inter, ArgmaxRows* am) {
+                      Gated gated, ArgmaxRows* am) {
   alignas(64) float acc[2 * 4 * kTileM * kTileN];
   int slot = 0;
   PassOut pending;
@@ -363,8 +371,8 @@ CB_AMX void run_pairs(const uint16_t* xp, const void* weights, Fmt fmt, const ui
     int64_t wp_nb0 = 0;
     if (fmt != Fmt::kBf16 && Mpad <= 2 * kTileM) {  // one pass: expand each tile just before its use
       for (int64_t p = p0; p < p1; ++p)
-        pair_pass(xp, nullptr, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, 0, silu_inter, acc, slot, pending,
-                  am, 0, true, fmt, static_cast<const uint8_t*>(weights), qbuf);
+        pair_pass(xp, nullptr, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, 0, gated, acc, slot, pending, am,
+                  0, true, fmt, static_cast<const uint8_t*>(weights), qbuf);
       continue;
     }
     if (fmt != Fmt::kBf16) {
@@ -376,10 +384,10 @@ CB_AMX void run_pairs(const uint16_t* xp, const void* weights, Fmt fmt, const ui
     }
     for (int64_t m0 = 0; m0 < Mpad; m0 += 2 * kTileM)
       for (int64_t p = p0; p < p1; ++p)
-        pair_pass(xp, wp, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, m0, silu_inter, acc, slot, pending, am,
+        pair_pass(xp, wp, bias, y, M, Mpad, Kpad, N, 2 * p, 2 * p + 1 < nblocks, m0, gated, acc, slot, pending, am,
                   wp_nb0, fmt != Fmt::kBf16);
   }
-  if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, silu_inter, am);
+  if (pending.acc != nullptr) finish_pass(pending, bias, y, M, N, gated, am);
   _tile_release();
 }
 #endif
@@ -436,11 +444,11 @@ int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int6
   return nblocks;
 }
 
-// y = x · wᵀ (+ bias), or silu(gate) * up when silu_inter > 0, over all pairs
+// y = x · wᵀ (+ bias), or act(gate) * up when gated.inter > 0, over all pairs
 // of column blocks split between the threads; with `argmax_out` ([M]) y is
 // not written and each row's greedy column goes there instead.
 void run(const torch::Tensor& x, const torch::Tensor& packed, Fmt fmt, int64_t N, int64_t nblocks, const uint16_t* bp,
-         torch::Tensor& y, int64_t silu_inter, int64_t* argmax_out = nullptr) {
+         torch::Tensor& y, Gated gated, int64_t* argmax_out = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return;
 #if CB_FUSED_X86
@@ -482,7 +490,7 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, Fmt fmt, int64_t N
       amp = &am;
     }
     for (int64_t w = t0; w < t1; ++w)
-      run_pairs(xp, wp, fmt, bp, yp, M, Mpad, Kpad, N, nblocks, next, chunk, silu_inter, amp);
+      run_pairs(xp, wp, fmt, bp, yp, M, Mpad, Kpad, N, nblocks, next, chunk, gated, amp);
   });
   if (argmax_out == nullptr) return;
   for (int64_t r = 0; r < M; ++r) {
@@ -507,7 +515,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
   const int64_t nblocks = check_amx_args(x, packed, out_features, fmt);
   const uint16_t* bp = bf16_bias(bias, out_features);
   auto y = torch::empty({x.size(0), out_features}, x.options());
-  run(x, packed, fmt, out_features, nblocks, bp, y, 0);
+  run(x, packed, fmt, out_features, nblocks, bp, y, Gated{});
   return y;
 }
 
@@ -518,7 +526,7 @@ torch::Tensor amx_linear_argmax(const torch::Tensor& x, const torch::Tensor& pac
   const uint16_t* bp = bf16_bias(bias, out_features);
   auto out = torch::zeros({x.size(0)}, x.options().dtype(at::kLong));
   torch::Tensor unused;
-  run(x, packed, fmt, out_features, nblocks, bp, unused, 0, out.data_ptr<int64_t>());
+  run(x, packed, fmt, out_features, nblocks, bp, unused, Gated{}, out.data_ptr<int64_t>());
   return out;
 }
 
@@ -530,12 +538,14 @@ torch::Tensor amx_pack_gate_up(const torch::Tensor& gate_up) {
   return amx_pack_weight(gate_up.reshape({2, I / kTileN, kTileN, K}).transpose(0, 1).reshape({2 * I, K}));
 }
 
-torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter) {
+torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
+                                  const std::string& activation) {
+  const Act act = parse_act(activation);
   TORCH_CHECK(inter > 0 && inter % kTileN == 0, "inter must be a positive multiple of 16");
   Fmt fmt;
   const int64_t nblocks = check_amx_args(x, packed, 2 * inter, fmt);
   auto y = torch::empty({x.size(0), inter}, x.options());
-  run(x, packed, fmt, 2 * inter, nblocks, nullptr, y, inter);
+  run(x, packed, fmt, 2 * inter, nblocks, nullptr, y, Gated{inter, act});
   return y;
 }
 

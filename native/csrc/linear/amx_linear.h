@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 namespace cbserve_fused {
 
 // Whether this CPU (and kernel) runs AMX-BF16 code; asks Linux for the tile
@@ -32,11 +34,13 @@ torch::Tensor amx_linear_argmax(const torch::Tensor& x, const torch::Tensor& pac
 // j, then up block j), which amx_linear_silu_mul reads.
 torch::Tensor amx_pack_gate_up(const torch::Tensor& gate_up);
 
-// y [M, I] = silu(x · gateᵀ) * (x · upᵀ), bf16, with the Hugging Face MLP's
-// rounding points (both projections and the SiLU rounded to bf16), and
-// `packed` from amx_pack_gate_up: the gate|up projection and SiLU-and-mul in
-// one pass, without writing the [M, 2I] projection.
-torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter);
+// y [M, I] = act(x · gateᵀ) * (x · upᵀ), bf16, with the Hugging Face MLP's
+// rounding points (both projections and the activation rounded to bf16), and
+// `packed` from amx_pack_gate_up: the gate|up projection and act-and-mul in
+// one pass, without writing the [M, 2I] projection. activation: "silu" or
+// "gelu_tanh" (parse_act).
+torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
+                                  const std::string& activation = "silu");
 
 // The bf16 tiles [N/16, K/32, 16, 16, 2] that the kernels expand uint8
 // Q4_1 / Q8_0 blocks to (equal to amx_pack_weight of the dequantised weight).

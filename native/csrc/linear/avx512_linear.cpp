@@ -13,8 +13,8 @@
 // later row blocks; its row blocks prefetch the next group's into L2, each a
 // share), so the weights stream from memory once per call.
 //
-// avx512_linear_silu_mul is the MLP's gate|up projection with the SiLU-and-mul
-// epilogue (weights from amx_pack_gate_up: gate block j, then up block j), as
+// avx512_linear_silu_mul is the MLP's gate|up projection with the act-and-mul
+// epilogue (SiLU or GELU-tanh) (weights from amx_pack_gate_up: gate block j, then up block j), as
 // amx_linear_silu_mul: the [M, 2I] projection is never written.
 //
 // bf16 only; callers check `avx512_linear_supported()`.
@@ -59,7 +59,8 @@ struct Args {
   uint16_t* y;           // [M, N], or [M, N / 2] with silu
   int64_t M, K, N;
   int64_t panel;  // elements of one feature block's K sweep
-  bool silu;
+  bool silu;      // gate|up pairs: y = act(gate) * up
+  Act act = Act::kSilu;
 };
 
 // acc[r][v] += k-pair p of rows [0, R) of x against blocks [0, NV) of w;
@@ -122,7 +123,7 @@ CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb, int64_t rb, int6
       for (int v = 0; v + 1 < NV; v += 2) {
         const int64_t f0 = (nb + v) / 2 * kBlockN;
         store_bf16(reinterpret_cast<c10::BFloat16*>(a.y + (m0 + r) * I + f0),
-                   silu_mul(round_bf16(acc[r][v]), round_bf16(acc[r][v + 1])), 0xFFFF);
+                   act_mul(a.act, round_bf16(acc[r][v]), round_bf16(acc[r][v + 1])), 0xFFFF);
       }
     return;
   }
@@ -166,7 +167,7 @@ CB_AVX512BF16 void blocks(const Args& a, int64_t b0, int64_t b1) {
 }
 
 void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const uint16_t* bias, torch::Tensor& y,
-         bool silu) {
+         bool silu, Act act = Act::kSilu) {
   Args a;
   a.M = x.size(0);
   a.K = x.size(1);
@@ -177,6 +178,7 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const u
   a.y = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   a.panel = packed.size(1) * kTileElems;
   a.silu = silu;
+  a.act = act;
   if (a.M == 0) return;
   const int64_t nblocks = ceil_div(N, kBlockN);
   // A fixed contiguous share of units per thread (a unit: one block, or a
@@ -215,12 +217,14 @@ torch::Tensor avx512_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
-torch::Tensor avx512_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter) {
+torch::Tensor avx512_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
+                                     const std::string& activation) {
+  const Act act = parse_act(activation);
   TORCH_CHECK(inter > 0 && inter % kBlockN == 0, "inter must be a positive multiple of 16");
   check_args(x, packed, 2 * inter);
   auto y = torch::empty({x.size(0), inter}, x.options());
 #if CB_FUSED_X86
-  run(x, packed, 2 * inter, nullptr, y, true);
+  run(x, packed, 2 * inter, nullptr, y, true, act);
 #endif
   return y;
 }

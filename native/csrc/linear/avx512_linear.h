@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 namespace cbserve_fused {
 
 // Whether this CPU runs avx512_linear (AVX512-BF16; AMX not needed).
@@ -14,9 +16,11 @@ bool avx512_linear_supported();
 torch::Tensor avx512_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                             const c10::optional<torch::Tensor>& bias);
 
-// y [M, I] = silu(x · gateᵀ) * (x · upᵀ), bf16, `packed` from
+// y [M, I] = act(x · gateᵀ) * (x · upᵀ), bf16, `packed` from
 // amx_pack_gate_up, with the Hugging Face MLP's rounding points (as
-// amx_linear_silu_mul): the [M, 2I] projection is never written.
-torch::Tensor avx512_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter);
+// amx_linear_silu_mul, the same activations): the [M, 2I] projection is
+// never written.
+torch::Tensor avx512_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
+                                     const std::string& activation = "silu");
 
 }  // namespace cbserve_fused

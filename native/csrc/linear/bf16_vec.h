@@ -1,15 +1,33 @@
 // AVX-512 bf16 vector helpers shared by the fused element-wise ops
 // (fused_ops.cpp) and the epilogues of the linear kernels (amx_linear.cpp,
-// avx512_linear.cpp: bias, output rounding, SiLU-and-mul): bf16 loads and
-// stores through fp32 lanes, round-to-nearest-even to bf16, exp, and SiLU-mul
-// with the Hugging Face MLP's rounding points.
+// avx512_linear.cpp: bias, output rounding, act(gate) * up): bf16 loads and
+// stores through fp32 lanes, round-to-nearest-even to bf16, exp, and the
+// gated activations with the Hugging Face MLP's rounding points.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <string>
 
 #include "cpu_isa.h"
+
+namespace cbserve_fused {
+
+// The activation of a gated MLP, act(gate) * up: SiLU (Llama, Qwen, Mistral,
+// Phi-3, OLMo 2, Granite) or GELU with the tanh approximation (Gemma's
+// gelu_pytorch_tanh).
+enum class Act : int { kSilu = 0, kGeluTanh = 1 };
+
+inline Act parse_act(const std::string& name) {
+  if (name == "silu") return Act::kSilu;
+  if (name == "gelu_tanh") return Act::kGeluTanh;
+  TORCH_CHECK(false, "activation must be 'silu' or 'gelu_tanh', not '", name, "'");
+  return Act::kSilu;
+}
+
+}  // namespace cbserve_fused
 
 #if CB_FUSED_X86
 namespace cbserve_fused {
@@ -64,6 +82,20 @@ CB_AVX512BF16 inline __m512 exp_ps(__m512 x) {
 CB_AVX512BF16 inline __m512 silu_mul(__m512 g, __m512 u) {
   const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
   return _mm512_mul_ps(round_bf16(s), u);
+}
+
+// gelu_tanh(g) * u with the same rounding points. GELU's tanh form,
+// 0.5 g (1 + tanh(a)) with a = sqrt(2 / pi) (g + 0.044715 g^3), is the same
+// value as g / (1 + exp(-2a)), which has no cancellation near g = 0.
+CB_AVX512BF16 inline __m512 gelu_tanh_mul(__m512 g, __m512 u) {
+  const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(g, g), g), _mm512_set1_ps(0.044715f), g);
+  const __m512 e = exp_ps(_mm512_mul_ps(inner, _mm512_set1_ps(-2.f * 0.7978845608028654f)));
+  const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_mul_ps(round_bf16(s), u);
+}
+
+CB_AVX512BF16 inline __m512 act_mul(Act act, __m512 g, __m512 u) {
+  return act == Act::kGeluTanh ? gelu_tanh_mul(g, u) : silu_mul(g, u);
 }
 
 }  // namespace cbserve_fused

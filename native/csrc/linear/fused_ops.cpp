@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -67,28 +68,62 @@ void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, floa
 // out = (w * (x * rsqrt(mean(x^2) + eps))).to(T) with w in fp32: the rounding
 // of RMSNorms that scale before casting (OLMo 2's; Gemma's with w = 1 + weight).
 // Rows `xs` / `os` elements apart; out may be x (each row is read whole first).
+// Where row r of a [A, B, H] view lies (a 2-D [R, H] one is B = 1): rows
+// may be slices of a wider tensor (a fused projection's q or k heads).
+struct RowMap {
+  int64_t B, s0, s1;
+  int64_t at(int64_t r) const { return (r / B) * s0 + (r % B) * s1; }
+};
+
 template <typename T>
-void rms_norm_w32_rows(T* out, int64_t os, const T* x, int64_t xs, const float* w, int64_t rows, int64_t h, float eps) {
+void rms_norm_w32_rows(T* out, RowMap om, const T* x, RowMap xm, const float* w, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * xs;
-      T* orow = out + r * os;
+      const T* xr = x + xm.at(r);
+      T* orow = out + om.at(r);
       const float inv = inv_rms(xr, h, eps);
       for (int64_t i = 0; i < h; ++i) orow[i] = static_cast<T>(w[i] * (static_cast<float>(xr[i]) * inv));
     }
   });
 }
 
+// residual += (w1 * norm(x)).to(T), rounded as `residual + hidden` in T;
+// out = (w2 * norm(residual)).to(T): Gemma's norm after attention (or after
+// the MLP), the residual add, and the norm before the next block.
 template <typename T>
-void silu_mul_rows(T* out, const T* gu, int64_t rows, int64_t inter) {
+void norm_add_norm_w32_rows(T* out, const T* x, T* res, const float* w1, float eps1, const float* w2, float eps2,
+                            int64_t rows, int64_t h) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * h;
+      T* rr = res + r * h;
+      const float inv = inv_rms(xr, h, eps1);
+      for (int64_t i = 0; i < h; ++i) {
+        const T y = static_cast<T>(w1[i] * (static_cast<float>(xr[i]) * inv));
+        rr[i] = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(y));
+      }
+      const float inv2 = inv_rms(rr, h, eps2);
+      for (int64_t i = 0; i < h; ++i) out[r * h + i] = static_cast<T>(w2[i] * (static_cast<float>(rr[i]) * inv2));
+    }
+  });
+}
+
+// act(g) in fp32: SiLU, or GELU-tanh as g / (1 + exp(-2a)) (bf16_vec.h's gelu_tanh_mul).
+inline float act_scalar(cbserve_fused::Act act, float g) {
+  if (act == cbserve_fused::Act::kGeluTanh)
+    return g / (1.f + std::exp(-2.f * 0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  return g / (1.f + std::exp(-g));
+}
+
+template <typename T>
+void act_mul_rows(T* out, const T* gu, int64_t rows, int64_t inter, cbserve_fused::Act act) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
       for (int64_t i = 0; i < inter; ++i) {
-        const float gf = static_cast<float>(g[i]);
-        T s = static_cast<T>(gf / (1.f + std::exp(-gf)));  // act_fn(gate) in the model dtype
+        T s = static_cast<T>(act_scalar(act, static_cast<float>(g[i])));  // act_fn(gate) in the model dtype
         o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
       }
     }
@@ -144,22 +179,24 @@ inline void rope_row_f32(T* y, const T* x, const float* c, const float* s, int64
 
 // Token t's k and v heads go to row `slots[t]` of k / v ([rows, Hkv, D]; a
 // negative slot skips them), or to row t when `slots` is null. C: the
-// table's type (T, or float for an fp32 rotary).
+// table's type (T, or float for an fp32 rotary). The rotary turns the first
+// R <= D dims of each head (a partial rotary, Phi-4-mini's); the rest pass.
 template <typename T, typename C = T>
 void rope_split_rows(const T* qkv, const C* cos, const C* sin, T* q, T* k, T* v, const int64_t* slots, int64_t rows,
-                     int64_t hq, int64_t hkv, int64_t D) {
+                     int64_t hq, int64_t hkv, int64_t D, int64_t R) {
   const int64_t width = (hq + 2 * hkv) * D;
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t t = r0; t < r1; ++t) {
       const T* src = qkv + t * width;
-      const C* c = cos + t * D;
-      const C* s = sin + t * D;
+      const C* c = cos + t * R;
+      const C* s = sin + t * R;
       auto rotate = [&](T* y, const T* x) {
         if constexpr (std::is_same<C, float>::value) {
-          rope_row_f32<T>(y, x, c, s, D);  // for T = float both forms are the same
+          rope_row_f32<T>(y, x, c, s, R);  // for T = float both forms are the same
         } else {
-          rope_row<T>(y, x, c, s, D);
+          rope_row<T>(y, x, c, s, R);
         }
+        for (int64_t i = R; i < D; ++i) y[i] = x[i];
       };
       for (int64_t h = 0; h < hq; ++h) rotate(q + (t * hq + h) * D, src + h * D);
       const int64_t dst = slots != nullptr ? slots[t] : t;
@@ -189,11 +226,11 @@ int64_t argmax_row(const T* x, int64_t n) {
 #if CB_FUSED_X86
 // ---- AVX-512 bf16 ------------------------------------------------------------
 
+using cbserve_fused::act_mul;
 using cbserve_fused::lanes;
 using cbserve_fused::load_bf16;
 using cbserve_fused::load_bf16_masked;
 using cbserve_fused::round_bf16;
-using cbserve_fused::silu_mul;
 using cbserve_fused::store_bf16;
 
 CB_AVX512BF16 void rms_norm_bf16_rows(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w, int64_t r0,
@@ -227,21 +264,81 @@ void rms_norm_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, const c10:
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { rms_norm_bf16_rows(out, x, w, r0, r1, h, eps); });
 }
 
-CB_AVX512BF16 void silu_mul_bf16_rows(c10::BFloat16* out, const c10::BFloat16* gu, int64_t r0, int64_t r1,
-                                      int64_t inter) {
+// 1 / sqrt(mean(x^2) + eps) of one bf16 row, summed in 16 fp32 lanes (as
+// rms_norm_bf16_rows sums).
+CB_AVX512BF16 float inv_rms_bf16(const c10::BFloat16* xr, int64_t h, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= h; i += 16) {
+    const __m512 v = load_bf16(xr + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  if (i < h) {
+    const __m512 v = load_bf16_masked(xr + i, lanes(h - i));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + eps);
+}
+
+// orow = (w * (xr * inv)).to(bf16), w fp32; orow may be xr.
+CB_AVX512BF16 void scale_w32_bf16_row(c10::BFloat16* orow, const c10::BFloat16* xr, const float* w, int64_t h,
+                                      float inv) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = lanes(h - i);
+    const __m512 y = _mm512_mul_ps(load_bf16_masked(xr + i, m), vinv);
+    store_bf16(orow + i, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), y), m);
+  }
+}
+
+void rms_norm_w32_bf16_avx512(c10::BFloat16* out, RowMap om, const c10::BFloat16* x, RowMap xm, const float* w,
+                              int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const c10::BFloat16* xr = x + xm.at(r);
+      scale_w32_bf16_row(out + om.at(r), xr, w, h, inv_rms_bf16(xr, h, eps));
+    }
+  });
+}
+
+CB_AVX512BF16 void norm_add_bf16_row(c10::BFloat16* rr, const c10::BFloat16* xr, const float* w, int64_t h, float inv) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = lanes(h - i);
+    const __m512 y =
+        round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(load_bf16_masked(xr + i, m), vinv)));
+    store_bf16(rr + i, _mm512_add_ps(load_bf16_masked(rr + i, m), y), m);
+  }
+}
+
+void norm_add_norm_w32_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, c10::BFloat16* res, const float* w1,
+                                   float eps1, const float* w2, float eps2, int64_t rows, int64_t h) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const c10::BFloat16* xr = x + r * h;
+      c10::BFloat16* rr = res + r * h;
+      norm_add_bf16_row(rr, xr, w1, h, inv_rms_bf16(xr, h, eps1));
+      scale_w32_bf16_row(out + r * h, rr, w2, h, inv_rms_bf16(rr, h, eps2));
+    }
+  });
+}
+
+CB_AVX512BF16 void act_mul_bf16_rows(c10::BFloat16* out, const c10::BFloat16* gu, int64_t r0, int64_t r1, int64_t inter,
+                                     cbserve_fused::Act act) {
   for (int64_t r = r0; r < r1; ++r) {
     const c10::BFloat16* g = gu + r * 2 * inter;
     const c10::BFloat16* u = g + inter;
     c10::BFloat16* o = out + r * inter;
     for (int64_t i = 0; i < inter; i += 16) {
       const __mmask16 m = lanes(inter - i);
-      store_bf16(o + i, silu_mul(load_bf16_masked(g + i, m), load_bf16_masked(u + i, m)), m);
+      store_bf16(o + i, act_mul(act, load_bf16_masked(g + i, m), load_bf16_masked(u + i, m)), m);
     }
   }
 }
 
-void silu_mul_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* gu, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { silu_mul_bf16_rows(out, gu, r0, r1, inter); });
+void act_mul_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* gu, int64_t rows, int64_t inter,
+                         cbserve_fused::Act act) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { act_mul_bf16_rows(out, gu, r0, r1, inter, act); });
 }
 
 CB_AVX512BF16 void add_rows_bf16(c10::BFloat16* res, const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t h) {
@@ -280,13 +377,17 @@ CB_AVX512BF16 void rope_row_bf16(c10::BFloat16* y, const c10::BFloat16* x, const
 
 CB_AVX512BF16 void rope_split_bf16_rows(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin,
                                         c10::BFloat16* q, c10::BFloat16* k, c10::BFloat16* v, const int64_t* slots,
-                                        int64_t r0, int64_t r1, int64_t hq, int64_t hkv, int64_t D) {
+                                        int64_t r0, int64_t r1, int64_t hq, int64_t hkv, int64_t D, int64_t R) {
   const int64_t width = (hq + 2 * hkv) * D;
   const int64_t row_bytes = hkv * D * static_cast<int64_t>(sizeof(c10::BFloat16));
   for (int64_t t = r0; t < r1; ++t) {
     const c10::BFloat16* src = qkv + t * width;
-    const c10::BFloat16* c = cos + t * D;
-    const c10::BFloat16* s = sin + t * D;
+    const c10::BFloat16* c = cos + t * R;
+    const c10::BFloat16* s = sin + t * R;
+    auto rotate = [&](c10::BFloat16* y, const c10::BFloat16* x) {
+      rope_row_bf16(y, x, c, s, R);
+      if (R < D) std::memcpy(y + R, x + R, sizeof(c10::BFloat16) * (D - R));
+    };
     // Decode tokens' cache slots lie in scattered blocks the hardware
     // prefetcher cannot guess: ask for the next token's lines for writing.
     if (slots != nullptr && t + 1 < r1 && slots[t + 1] >= 0) {
@@ -297,10 +398,10 @@ CB_AVX512BF16 void rope_split_bf16_rows(const c10::BFloat16* qkv, const c10::BFl
         __builtin_prefetch(vn + o, 1, 3);
       }
     }
-    for (int64_t h = 0; h < hq; ++h) rope_row_bf16(q + (t * hq + h) * D, src + h * D, c, s, D);
+    for (int64_t h = 0; h < hq; ++h) rotate(q + (t * hq + h) * D, src + h * D);
     const int64_t dst = slots != nullptr ? slots[t] : t;
     if (dst < 0) continue;
-    for (int64_t h = 0; h < hkv; ++h) rope_row_bf16(k + (dst * hkv + h) * D, src + (hq + h) * D, c, s, D);
+    for (int64_t h = 0; h < hkv; ++h) rotate(k + (dst * hkv + h) * D, src + (hq + h) * D);
     std::memcpy(v + dst * hkv * D, src + (hq + hkv) * D, sizeof(c10::BFloat16) * hkv * D);
   }
 }
@@ -358,30 +459,74 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 
 // out = (weight * (x * rsqrt(mean(x^2) + eps))).to(dtype), weight in fp32
 // (rms_norm_w32_rows), written into `out`.
-//   x, out [R, H] of one dtype, unit stride along H (rows may be strided: a
-//          slice of a fused projection); out may be x itself
+//   x, out [R, H] or [A, B, H] of one dtype, unit stride along H (rows may be
+//          strided: a slice of a fused projection, its heads); out may be x
 //   weight [H] fp32 contiguous
 void rms_norm_w32_(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
   for (const torch::Tensor* t : {&x, static_cast<const torch::Tensor*>(&out)}) {
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1,
-                "x and out must be [R, H] CPU tensors with unit stride along H");
+    TORCH_CHECK(t->device().is_cpu() && (t->dim() == 2 || t->dim() == 3) && t->stride(-1) == 1,
+                "x and out must be [R, H] or [A, B, H] CPU tensors with unit stride along H");
   }
   TORCH_CHECK(x.sizes() == out.sizes() && x.scalar_type() == out.scalar_type(), "x and out differ in shape or dtype");
   TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
-                  weight.dim() == 1 && weight.size(0) == x.size(1),
+                  weight.dim() == 1 && weight.size(0) == x.size(-1),
               "weight must be fp32 [H]");
-  const int64_t rows = x.size(0), h = x.size(1);
+  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
   if (rows == 0 || h == 0) return;
+  auto map = [](const torch::Tensor& t) {
+    return t.dim() == 2 ? RowMap{1, t.stride(0), 0} : RowMap{t.size(1), t.stride(0), t.stride(1)};
+  };
+  const RowMap xm = map(x), om = map(out);
+#if CB_FUSED_X86
+  if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    rms_norm_w32_bf16_avx512(out.data_ptr<c10::BFloat16>(), om, x.data_ptr<c10::BFloat16>(), xm,
+                             weight.data_ptr<float>(), rows, h, static_cast<float>(eps));
+    return;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_w32_", [&] {
-    rms_norm_w32_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), x.data_ptr<scalar_t>(), x.stride(0),
-                                weight.data_ptr<float>(), rows, h, static_cast<float>(eps));
+    rms_norm_w32_rows<scalar_t>(out.data_ptr<scalar_t>(), om, x.data_ptr<scalar_t>(), xm, weight.data_ptr<float>(),
+                                rows, h, static_cast<float>(eps));
   });
 }
 
-// out = silu(gate_up[..., :I]) * gate_up[..., I:]
+// residual += (w1 * norm(x)).to(dtype) in place; returns (w2 * norm(residual)).to(dtype):
+// a (1 + w) / fp32-weight norm after a block, its residual add and the next norm in one pass.
+//   x, residual [T, H] contiguous, one dtype; w1, w2 [H] fp32 contiguous
+torch::Tensor norm_add_norm_w32(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w1, double eps1,
+                                const torch::Tensor& w2, double eps2) {
+  check_row_major(x, "x");
+  check_row_major(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual differ in shape or dtype");
+  for (const auto* w : {&w1, &w2})
+    TORCH_CHECK(w->device().is_cpu() && w->is_contiguous() && w->scalar_type() == at::kFloat && w->dim() == 1 &&
+                    w->size(0) == x.size(-1),
+                "w1 and w2 must be fp32 [H]");
+  auto out = torch::empty_like(x);
+  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
+  if (rows == 0) return out;
+#if CB_FUSED_X86
+  if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    norm_add_norm_w32_bf16_avx512(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                                  residual.data_ptr<c10::BFloat16>(), w1.data_ptr<float>(), static_cast<float>(eps1),
+                                  w2.data_ptr<float>(), static_cast<float>(eps2), rows, h);
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_add_norm_w32", [&] {
+    norm_add_norm_w32_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                                     w1.data_ptr<float>(), static_cast<float>(eps1), w2.data_ptr<float>(),
+                                     static_cast<float>(eps2), rows, h);
+  });
+  return out;
+}
+
+// out = act(gate_up[..., :I]) * gate_up[..., I:], act "silu" or "gelu_tanh"
 //   gate_up [..., 2I] contiguous (gate then up, as a fused projection gives)
 // returns   [..., I]  new tensor
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::string& activation) {
+  const cbserve_fused::Act act = cbserve_fused::parse_act(activation);
   check_row_major(gate_up, "gate_up");
   const int64_t two_i = gate_up.size(-1);
   TORCH_CHECK(two_i % 2 == 0, "gate_up's last dimension must be even (gate then up)");
@@ -393,12 +538,12 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   if (rows == 0) return out;
 #if CB_FUSED_X86
   if (gate_up.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
-    silu_mul_bf16_avx512(out.data_ptr<c10::BFloat16>(), gate_up.data_ptr<c10::BFloat16>(), rows, inter);
+    act_mul_bf16_avx512(out.data_ptr<c10::BFloat16>(), gate_up.data_ptr<c10::BFloat16>(), rows, inter, act);
     return out;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
-    silu_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), rows, inter);
+    act_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), rows, inter, act);
   });
   return out;
 }
@@ -431,7 +576,8 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
 
 namespace {
 
-// Checks qkv [T, (Hq + 2 Hkv) * D] and cos / sin [T, D] of one dtype.
+// Checks qkv [T, (Hq + 2 Hkv) * D] and cos / sin [T, R] (R <= D, even: the
+// rotary's dims) of one dtype.
 void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t hq,
                      int64_t hkv, int64_t head_dim) {
   check_row_major(qkv, "qkv");
@@ -439,8 +585,9 @@ void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const t
   check_row_major(sin, "sin");
   TORCH_CHECK(hq > 0 && hkv > 0 && head_dim > 0 && head_dim % 2 == 0, "need positive head counts and an even head_dim");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * head_dim, "qkv must be [T, (Hq + 2 Hkv) * D]");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
-              "cos and sin must be [T, head_dim]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == qkv.size(0) && cos.size(1) > 0 && cos.size(1) <= head_dim &&
+                  cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes(),
+              "cos and sin must be [T, R], R even and at most head_dim (a partial rotary turns R dims)");
   TORCH_CHECK(cos.scalar_type() == sin.scalar_type() &&
                   (cos.scalar_type() == qkv.scalar_type() || cos.scalar_type() == at::kFloat),
               "qkv, cos and sin must share a dtype (or cos and sin be fp32: a rotary computed in fp32)");
@@ -450,13 +597,13 @@ void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const t
 // (row t when slots is null), on the AVX-512 path where it applies.
 void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& q,
               torch::Tensor& k, torch::Tensor& v, const int64_t* slots, int64_t hq, int64_t hkv, int64_t head_dim) {
-  const int64_t T = qkv.size(0);
+  const int64_t T = qkv.size(0), R = cos.size(1);
   if (T == 0) return;
   if (cos.scalar_type() != qkv.scalar_type()) {  // an fp32 table: rotary in fp32, one rounding
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_split_f32", [&] {
       rope_split_rows<scalar_t, float>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                                        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots, T,
-                                       hq, hkv, head_dim);
+                                       hq, hkv, head_dim, R);
     });
     return;
   }
@@ -470,7 +617,7 @@ void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::T
     B* kp = k.data_ptr<B>();
     B* vp = v.data_ptr<B>();
     at::parallel_for(0, T, 8, [&](int64_t r0, int64_t r1) {
-      rope_split_bf16_rows(src, c, s, qp, kp, vp, slots, r0, r1, hq, hkv, head_dim);
+      rope_split_bf16_rows(src, c, s, qp, kp, vp, slots, r0, r1, hq, hkv, head_dim, R);
     });
     return;
   }
@@ -478,7 +625,7 @@ void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_split", [&] {
     rope_split_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
                               q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots, T, hq, hkv,
-                              head_dim);
+                              head_dim, R);
   });
 }
 
@@ -486,7 +633,8 @@ void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::T
 
 // Rotary embedding on a fused QKV projection, split into contiguous heads.
 //   qkv      [T, (Hq + 2 Hkv) * D] contiguous (q heads, then k, then v)
-//   cos, sin [T, D] qkv's dtype, or fp32 (the rotary then runs in fp32, rounded once)
+//   cos, sin [T, R] (R <= D: a partial rotary turns the first R dims of each head) in qkv's dtype, or fp32
+//            (the rotary then runs in fp32, rounded once)
 // returns (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]), rotary applied to q and k.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Tensor& cos,
                                                                    const torch::Tensor& sin, int64_t hq, int64_t hkv,
@@ -566,9 +714,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_w32_", &rms_norm_w32_, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>(),
         "out = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype) with an fp32 weight (OLMo 2 / Gemma "
-        "rounding); x and out [R, H], rows may be strided, out may be x.");
-  m.def("silu_and_mul", &silu_and_mul, py::arg("gate_up"),
-        "silu(gate) * up for gate_up = [gate | up] on the last dim; returns a new tensor.");
+        "rounding); x and out [R, H] or [A, B, H], rows may be strided, out may be x.");
+  m.def("norm_add_norm_w32", &norm_add_norm_w32, py::arg("x"), py::arg("residual"), py::arg("w1"), py::arg("eps1"),
+        py::arg("w2"), py::arg("eps2"), py::call_guard<py::gil_scoped_release>(),
+        "residual += rms_norm_w32(x, w1) in place (model dtype), then rms_norm_w32(residual, w2) as a new "
+        "tensor: Gemma's post-block norm, residual add and next pre-norm in one pass.");
+  m.def("silu_and_mul", &silu_and_mul, py::arg("gate_up"), py::arg("activation") = "silu",
+        "act(gate) * up for gate_up = [gate | up] on the last dim, act 'silu' or 'gelu_tanh'; returns a new "
+        "tensor.");
   m.def("argmax", &argmax, py::arg("x"),
         "First index of each row's maximum of a [N, V] tensor (NaN counts as the maximum), int64 [N].");
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
@@ -592,8 +745,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gate_up [2I, K] bf16 (gate rows then up rows, I a multiple of 16) -> the AMX tile layout "
         "amx_linear_silu_mul reads.");
   m.def("amx_linear_silu_mul", &cbserve_fused::amx_linear_silu_mul, py::arg("x"), py::arg("packed"), py::arg("inter"),
-        py::call_guard<py::gil_scoped_release>(),
-        "silu(x @ gate^T) * (x @ up^T) [M, inter] in bf16 on AMX tiles, weights packed by amx_pack_gate_up; "
+        py::arg("activation") = "silu", py::call_guard<py::gil_scoped_release>(),
+        "act(x @ gate^T) * (x @ up^T) [M, inter] (act 'silu' or 'gelu_tanh') in bf16 on AMX tiles, weights packed by "
+        "amx_pack_gate_up; "
         "AMX-BF16 CPUs only (see amx_linear_supported).");
   m.def("amx_linear_argmax", &cbserve_fused::amx_linear_argmax, py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
@@ -609,8 +763,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ weight^T (+ bias) in bf16 with AVX512-BF16 dot products, weight packed by amx_pack_weight; "
         "AVX512-BF16 CPUs, AMX not needed (see avx512_linear_supported).");
   m.def("avx512_linear_silu_mul", &cbserve_fused::avx512_linear_silu_mul, py::arg("x"), py::arg("packed"),
-        py::arg("inter"), py::call_guard<py::gil_scoped_release>(),
-        "silu(x @ gate^T) * (x @ up^T) [M, inter] in bf16 with AVX512-BF16 dot products, weights packed by "
+        py::arg("inter"), py::arg("activation") = "silu", py::call_guard<py::gil_scoped_release>(),
+        "act(x @ gate^T) * (x @ up^T) [M, inter] (act 'silu' or 'gelu_tanh') in bf16 with AVX512-BF16 dot products, "
+        "weights packed by "
         "amx_pack_gate_up; AVX512-BF16 CPUs (see avx512_linear_supported).");
   m.def("avx512_linear_supported", &cbserve_fused::avx512_linear_supported);
   m.def("amx_q4_rows_linear", &cbserve_fused::amx_q4_rows_linear, py::arg("x"), py::arg("packed"),
