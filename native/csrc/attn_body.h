@@ -248,18 +248,24 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
   }
 }
 
-// One row's scores of the tokens [t0, t0 + ncols) for a query at position
-// pos: keys after pos (t >= vis) and, with a sliding window, before
-// pos - window + 1 are masked to -inf; the visible ones are soft-capped.
+// One row's scores of the tokens [t0, t0 + ncols) (ncols a multiple of
+// V::W) for a query at position pos: the scores are soft-capped, then keys
+// after pos (t >= vis) and, with a sliding window, before pos - window + 1
+// are masked to -inf. The cap, cap * tanh(s / cap), runs in vector lanes as
+// cap * (1 - 2 / (exp(2 s / cap) + 1)) (V::exp saturates, so no lane
+// overflows; masked lanes are overwritten after).
 static inline void mask_row(const AttnParams& p, float* s, int64_t ncols, int64_t pos, int64_t t0, int64_t vis) {
   const float ninf = -__builtin_inff();
+  if (p.softcap > 0.f) {
+    const typename V::R cap = V::set1(p.softcap), k = V::set1(2.f / p.softcap), one = V::set1(1.f), two = V::set1(2.f);
+    for (int64_t c = 0; c < ncols; c += V::W) {
+      const typename V::R e = V::exp(V::mul(V::load(s + c), k));
+      V::store(s + c, V::mul(cap, V::sub(one, V::div(two, V::add(e, one)))));
+    }
+  }
   const int64_t lo = p.window > 0 ? cb_min(vis, cb_max(0, pos - p.window + 1 - t0)) : 0;
   for (int64_t t = 0; t < lo; ++t) s[t] = ninf;
   for (int64_t t = cb_max(vis, 0); t < ncols; ++t) s[t] = ninf;
-  if (p.softcap > 0.f) {
-    const float cap = p.softcap, inv = 1.f / p.softcap;
-    for (int64_t t = lo; t < vis; ++t) s[t] = cap * __builtin_tanhf(s[t] * inv);
-  }
 }
 
 // An item's rows are (KV head h, query token i, head g of the GQA group),

@@ -32,6 +32,7 @@ struct V {
   static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
   static inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static inline R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static inline R div(R a, R b) { return _mm256_div_ps(a, b); }
   static inline R max(R a, R b) { return _mm256_max_ps(a, b); }
   static inline float hmax(R a) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));

@@ -66,6 +66,7 @@ struct V {
   static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
   static inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static inline R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static inline R div(R a, R b) { return _mm512_div_ps(a, b); }
   static inline R max(R a, R b) { return _mm512_max_ps(a, b); }
   static inline float hmax(R a) { return _mm512_reduce_max_ps(a); }
   static inline float hsum(R a) { return _mm512_reduce_add_ps(a); }

@@ -16,6 +16,7 @@ struct V {
   static inline R add(R a, R b) { return a + b; }
   static inline R mul(R a, R b) { return a * b; }
   static inline R sub(R a, R b) { return a - b; }
+  static inline R div(R a, R b) { return a / b; }
   static inline R max(R a, R b) { return a > b ? a : b; }
   static inline float hmax(R a) { return a; }
   static inline float hsum(R a) { return a; }
