@@ -7,10 +7,12 @@ their own (so the probes' latency is not their own event loop's), at
 `--sender-nice` (on a 2-core machine a nice sender stands in for a load
 generator on another machine; 0 shares the cores evenly). Printed per phase:
 the streaming client's inter-token gaps (p50 / p99 / max) and health's
-latency (p50 / p99 / max), and how the big requests ended. Run it twice to compare
-the default `limits.max_input_chars` (such prompts are refused before any
-tokenization) with a limit above them (tokenized on the tokenizer threads,
-then refused for the context).
+latency (p50 / p99 / max), and how the big requests ended. With the
+defaults such prompts are refused by gRPC from their length prefix
+(`server.max_receive_message_bytes` derives from `limits.max_input_chars`);
+`--max-receive-bytes 8388608` lets them through the transport to be parsed
+and refused by validation, `--max-input-chars` above them to be tokenized
+on the tokenizer threads and refused for the context.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.loop_stall", description=__doc__)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--max-input-chars", type=int, default=0, help="limits.max_input_chars (0: the default)")
+    p.add_argument("--max-receive-bytes", type=int, default=0, help="server.max_receive_message_bytes (0: derived)")
     p.add_argument("--sender-nice", type=int, default=0, help="niceness of the senders' process")
     p.add_argument("--out", default="bench/results/loop_stall.json")
     p.add_argument("--send", metavar="TARGET", help=argparse.SUPPRESS)  # the senders' process
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.send:
         sys.stdout.write(json.dumps(asyncio.run(_send(a.send, a.clients, a.seconds))))
         return 0
-    extra = {"server": {"max_receive_message_bytes": 8 << 20}}
+    extra: dict = {"server": {"max_receive_message_bytes": a.max_receive_bytes}}
     if a.max_input_chars:
         extra["limits"] = {"max_input_chars": a.max_input_chars}
     out = Path(a.out)
@@ -165,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     server.start()
     try:
-        result = {"max_input_chars": a.max_input_chars or "default"}
+        result = {
+            "max_input_chars": a.max_input_chars or "default",
+            "max_receive_bytes": a.max_receive_bytes or "derived",
+            "sender_nice": a.sender_nice,
+        }
         for name, clients in (("alone", 0), ("with_big_inputs", 8)):
             before = _sums(server.metrics_url)
             result[name] = asyncio.run(_phase(server.target, clients, a.seconds, a.sender_nice))

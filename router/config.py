@@ -42,6 +42,11 @@ DEFAULT_MODEL_SPECS = ("smollm2", "default", "SmolLM2-135M-Instruct")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 
 
+# What a request carries beside its prompt text (stop strings, a prompt as
+# token ids, tools, sampling fields) within the derived transport limits.
+REQUEST_HEADROOM_BYTES = 1024 * 1024
+
+
 @dataclass
 class ServerConfig:
     # Public gRPC address. 0.0.0.0 so a pod is reachable; the CLI may override.
@@ -52,12 +57,22 @@ class ServerConfig:
     # OpenAI-compatible HTTP API (router/http_api.py); 0 disables it.
     http_port: int = 8000
     # Largest HTTP request body; beyond it the request gets 413 unread.
-    max_http_body_bytes: int = 4 * 1024 * 1024
+    # 0 = derived from limits.max_input_chars (RouterConfig.http_body_limit).
+    max_http_body_bytes: int = 0
     # The model name the HTTP API serves and checks `model` against; empty =
     # the executor's model name (gateways route by this name).
     served_model_name: str = ""
-    # Largest request a client may send; a prompt of a full context fits well.
-    max_receive_message_bytes: int = 4 * 1024 * 1024
+    # Largest gRPC request a client may send; beyond it gRPC refuses the call
+    # from the message's length prefix, before the request is assembled or
+    # parsed. 0 = derived from limits.max_input_chars
+    # (RouterConfig.receive_limit).
+    max_receive_message_bytes: int = 0
+    # gRPC's bandwidth-delay probing grows every stream's receive window to
+    # what the link carries, so a client pushes a whole oversized message
+    # before it is refused. Off, a stream's window starts at 64 KiB and grows
+    # to a message's size once its length prefix passed the receive limit
+    # (one round trip more for a message larger than 64 KiB).
+    grpc_bdp_probe: bool = False
     # Largest gRPC metadata a client may send (headers, auth token).
     max_metadata_bytes: int = 16 * 1024
     # On SIGTERM: in-flight requests get this long to finish, then are cancelled.
@@ -174,8 +189,10 @@ class LimitsConfig:
     max_messages: int = 256
     max_priority_abs: int = 1000
     # Characters of prompt text, or of all chat message contents together
-    # (generation and Tokenize alike), and of a cache_salt.
-    max_input_chars: int = 1_000_000
+    # (generation and Tokenize alike), and of a cache_salt. The transport
+    # limits derive from max_input_chars, so a larger input is refused
+    # before the router spends CPU on its bytes.
+    max_input_chars: int = 256 * 1024
     max_cache_salt_chars: int = 256
     # Serialized size of the requests waiting in the queue, together.
     max_queued_bytes: int = 256 * 1024 * 1024
@@ -241,6 +258,16 @@ class RouterConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     # Several models behind one router (empty = the one of `--model`).
     models: list = field(default_factory=list)
+
+    def receive_limit(self) -> int:
+        """Largest gRPC request: as set, or what the largest valid prompt
+        takes (4 bytes of UTF-8 a character) plus REQUEST_HEADROOM_BYTES."""
+        return self.server.max_receive_message_bytes or (4 * self.limits.max_input_chars + REQUEST_HEADROOM_BYTES)
+
+    def http_body_limit(self) -> int:
+        """Largest HTTP body: as set, or the largest valid prompt as JSON
+        (6 bytes a character escaped as \\uXXXX) plus REQUEST_HEADROOM_BYTES."""
+        return self.server.max_http_body_bytes or (6 * self.limits.max_input_chars + REQUEST_HEADROOM_BYTES)
 
 
 def model_config(cfg: RouterConfig, m: ModelConfig, where: str) -> RouterConfig:
@@ -319,7 +346,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     srv = cfg.server
     _positive(srv.stream_interval, "server.stream_interval")
     _positive(srv.tokenizer_threads, "server.tokenizer_threads")
-    _positive(srv.max_http_body_bytes, "server.max_http_body_bytes")
+    _positive(srv.max_http_body_bytes, "server.max_http_body_bytes", True)
+    _positive(srv.max_receive_message_bytes, "server.max_receive_message_bytes", True)
     for name in ("port", "metrics_port", "http_port"):
         port = getattr(srv, name)
         if not 0 <= port <= 65535:

@@ -380,7 +380,7 @@ class ModelApi:
     async def _json(self, request: HttpRequest, model: type[BaseModel]) -> Any:
         """The body parsed into `model`, read no further than the size limit."""
         self._authorize(request)
-        limit = self.cfg.server.max_http_body_bytes
+        limit = self.cfg.http_body_limit()
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise self._refused(413, f"the request body is larger than {limit} bytes", code="request_too_large")

@@ -214,9 +214,10 @@ class PublicServer:
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[
-                ("grpc.max_receive_message_length", s.max_receive_message_bytes),
+                ("grpc.max_receive_message_length", cfg.receive_limit()),
                 ("grpc.max_metadata_size", s.max_metadata_bytes),
                 ("grpc.so_reuseport", 0),
+                ("grpc.http2.bdp_probe", int(s.grpc_bdp_probe)),
                 ("grpc.max_connection_age_ms", 10 * 60 * 1000),  # clients re-resolve DNS (k8s scale-out)
                 ("grpc.max_connection_age_grace_ms", 60 * 1000),
             ],

@@ -127,6 +127,163 @@ def test_input_and_salt_limits_hold_for_generation_and_tokenize():
         server.stop()
 
 
+def test_the_transport_refuses_what_the_input_limit_never_admits():
+    """The gRPC receive limit and the HTTP body limit derive from
+    limits.max_input_chars: a prompt of max_input_chars 4-byte characters
+    passes the transport, a message past the derived limit is refused by gRPC
+    (RESOURCE_EXHAUSTED) or HTTP (413) before it is parsed, and one between
+    the two is parsed and refused by validation."""
+    import httpx
+
+    from cbserve.v1 import generation_pb2 as gpb
+    from router.config import REQUEST_HEADROOM_BYTES
+
+    server = start_server("tiny", config={"limits": {"max_input_chars": 1000}})
+    try:
+        with server.channel() as ch:
+            s = stub(ch)
+            # 1000 four-byte characters: 4000 bytes of UTF-8, valid.
+            assert len(s.Tokenize(gpb.TokenizeRequest(text="\U0001f600" * 1000), timeout=30).token_ids) == 4000
+            with pytest.raises(grpc.RpcError) as err:
+                s.Complete(gen_request(text="x" * REQUEST_HEADROOM_BYTES, max_new=1), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                s.Complete(gen_request(text="x" * (REQUEST_HEADROOM_BYTES + 4001), max_new=1), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in err.value.details()
+
+        model = httpx.get(f"{server.http_url}/models", timeout=10).json()["data"][0]["id"]
+
+        def post(chars: int) -> httpx.Response:
+            body = {"model": model, "prompt": "x" * chars, "max_tokens": 1}
+            return httpx.post(f"{server.http_url}/completions", json=body, timeout=30)
+
+        under = post(REQUEST_HEADROOM_BYTES)
+        assert under.status_code == 400 and "longer than 1000" in under.json()["error"]["message"]
+        over = post(REQUEST_HEADROOM_BYTES + 6001)
+        assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
+        wait_idle(server)
+    finally:
+        server.stop()
+
+
+class _CountingProxy:
+    """A TCP relay on loopback that counts the bytes clients send upstream."""
+
+    def __init__(self, upstream_port: int) -> None:
+        import socket
+        import threading
+
+        self.upstream_port, self.sent = upstream_port, 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src, dst, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if count:
+                    self.sent += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.mark.parametrize("bdp_probe", [False, True])
+def test_an_oversized_message_is_refused_before_the_client_sends_it_all(bdp_probe):
+    """With gRPC's bandwidth-delay probing off (the default) a refused 3.9 MB
+    request crosses the wire as its first window's worth of bytes; with it on
+    the client pushes the whole message before the refusal reaches it."""
+    server = start_server("tiny", config={"server": {"grpc_bdp_probe": bdp_probe}})
+    proxy = _CountingProxy(server.port)
+    try:
+        opts = [("grpc.max_send_message_length", 8 << 20)]
+        with grpc.insecure_channel(proxy.address, options=opts) as ch:
+            s = stub(ch)
+            s.Complete(gen_request([5, 6], max_new=1), timeout=30)  # warm the connection
+            before = proxy.sent
+            with pytest.raises(grpc.RpcError) as err:
+                s.Complete(gen_request(text="x" * 3_900_000, max_new=1), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            time.sleep(0.5)  # what the client had in flight arrives
+            sent = proxy.sent - before
+            assert len(s.Complete(gen_request([5, 6], max_new=2), timeout=30).token_ids) == 2
+        if bdp_probe:
+            assert sent > 3_000_000
+        else:
+            assert sent < 500_000
+        wait_idle(server)
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def test_large_tokenizations_run_beside_health_and_a_stream():
+    """Four Tokenize calls of two million characters each (over a second of
+    tokenizer work apiece) run on the tokenizer threads: health checks are
+    answered and a stream's tokens keep coming while all four are still in
+    progress."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from cbserve.v1 import generation_pb2 as gpb
+    from cbserve.v1 import generation_pb2_grpc as gpb_grpc
+
+    chars = 2_000_000
+    server = start_server("tiny", config={"limits": {"max_input_chars": chars}})
+
+    async def run():
+        opts = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]
+        async with grpc.aio.insecure_channel(server.address, options=opts) as ch:
+            s, health = gpb_grpc.GenerationStub(ch), health_pb2_grpc.HealthStub(ch)
+            stream = s.Generate(gen_request([5, 6, 7], max_new=500))
+            await stream.read()
+            big = [
+                asyncio.ensure_future(s.Tokenize(gpb.TokenizeRequest(text="word " * (chars // 5)))) for _ in range(4)
+            ]
+            await asyncio.sleep(0.3)  # the requests are received and being tokenized
+            checks = tokens = 0
+            for _ in range(5):
+                if (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == 1:
+                    checks += 1
+                if await stream.read() is not grpc.aio.EOF:
+                    tokens += 1
+            in_progress = sum(not f.done() for f in big)
+            lengths = [len((await f).token_ids) for f in big]
+            stream.cancel()
+            return checks, tokens, in_progress, lengths
+
+    try:
+        checks, tokens, in_progress, lengths = asyncio.run(run())
+        assert lengths == [chars] * 4  # the tiny tokenizer is byte-level
+        # Had tokenization run on the event loop, the first health check
+        # would only have been answered once a tokenization had finished.
+        assert checks == 5 and tokens == 5 and in_progress == 4
+        wait_idle(server)
+    finally:
+        server.stop()
+
+
 def test_queued_bytes_limit_refuses_what_would_exceed_it():
     import os
     import signal
