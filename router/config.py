@@ -82,6 +82,10 @@ class ServerConfig:
     # larger value trades smoothness for less per-message CPU in the router
     # and the clients (vLLM's --stream-interval).
     stream_interval: int = 1
+    # Prompt `text` (gRPC text, OpenAI completions' prompt) parses special-token
+    # text such as `</s>` into those tokens, as vLLM and TGI do; false keeps it
+    # characters. Chat message content is always data.
+    parse_special_tokens_in_text: bool = True
     # Threads that tokenize, render chat templates and validate requests off
     # the event loop (one slow request never stalls the others).
     tokenizer_threads: int = 2

@@ -40,6 +40,7 @@ async def run_router(
     for e in entries:  # models loaded from the same spec share one tokenizer
         if e.spec not in tokenizers:
             tokenizers[e.spec] = await loop.run_in_executor(None, load_tokenizer, e.spec)
+            tokenizers[e.spec].parse_special_in_text = cfg.server.parse_special_tokens_in_text
     metrics = Metrics()
     metrics.serve(cfg.server.metrics_port, cfg.server.host)
     tracer = setup_tracing(cfg.tracing)

@@ -35,6 +35,7 @@ class Tokenizer:
     vocab_size: int
     plain: object = None  # a copy of backend that never parses special tokens
     special_strings: tuple[str, ...] = ()  # the text of every special token
+    parse_special_in_text: bool = True  # server.parse_special_tokens_in_text
 
     def __post_init__(self) -> None:
         if self.plain is None:
@@ -49,6 +50,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Prompt text: special-token text in it is parsed as those tokens."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """A request's prompt text: special-token text parsed unless the
+        server says prompt text is data too."""
+        return self.encode(text) if self.parse_special_in_text else self.encode_plain(text)
 
     def encode_plain(self, text: str) -> list[int]:
         """Text as data: special-token text in it is ordinary characters."""

@@ -116,7 +116,7 @@ def prompt_ids(req, tokenizer: Tokenizer, limits: LimitsConfig, vocab_size: int)
             raise _invalid("text: the prompt is empty")
         if len(req.text) > limits.max_input_chars:
             raise _invalid(f"text: longer than {limits.max_input_chars} characters")
-        return tokenizer.encode(req.text)
+        return tokenizer.encode_text(req.text)
     if kind == "messages":
         if _chat_chars(req.messages) > limits.max_input_chars:
             raise _invalid(f"messages: longer than {limits.max_input_chars} characters together")

@@ -143,3 +143,31 @@ def test_server_is_healthy_and_leak_free_after_the_bad_requests(tiny_server):
         out = stub(ch).Complete(gen_request(OK_IDS, max_new=3))
     assert len(out.token_ids) == 3
     wait_idle(tiny_server)
+
+
+def test_prompt_text_can_be_data_too():
+    """server.parse_special_tokens_in_text: false tokenizes prompt text's
+    "</s>" as characters on both APIs; the chat template's markup stays
+    special."""
+    import httpx
+
+    from tests.conftest import start_server
+
+    server = start_server("tiny", config={"server": {"parse_special_tokens_in_text": False}})
+    try:
+        with server.channel() as ch:
+            s = stub(ch)
+            text = list(s.Tokenize(gpb.TokenizeRequest(text="hi</s>")).token_ids)
+            ref = list(s.Tokenize(gpb.TokenizeRequest(text="hi<x>")).token_ids)
+            chat = gpb.TokenizeRequest(messages=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="hi")]))
+            chat_ids = list(s.Tokenize(chat).token_ids)
+            assert len(s.Complete(gen_request(text="hi</s>", max_new=2)).token_ids) == 2
+        assert 2 not in text and len(text) == len(ref) + 1  # "</s>" is four byte tokens, "<x>" three
+        assert chat_ids.count(2) == 1  # the template's own end of turn
+        model = httpx.get(f"{server.http_url}/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hi</s>"}
+        r = httpx.post(f"{server.http_url.removesuffix('/v1')}/tokenize", json=body, timeout=10)
+        assert r.status_code == 200 and r.json()["tokens"] == text
+        wait_idle(server)
+    finally:
+        server.stop()
