@@ -118,14 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         return _refused(exc)
     except Exception as exc:  # noqa: BLE001  (a model whose first forward pieces fail cannot be served either)
         return _refused(model_loader.ModelNotServable(f"{type(model).__name__}: cannot be served: {exc!r}"))
-    eos = cfg.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids, sampling_defaults = model_loader.generation_facts(model)
     metrics = ExecutorMetrics()
     try:
         metrics.serve(args.metrics_port, args.metrics_host)
     except OSError as exc:
         return _refused(OSError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}"))
-    service = ExecutorService(runner, source.name, eos_ids, metrics)
+    service = ExecutorService(runner, source.name, eos_ids, metrics, sampling_defaults)
     try:
         server, health = build_server(
             service, args.listen, args.tls_cert, args.tls_key, args.tls_client_ca, args.allow_insecure_tcp

@@ -147,6 +147,47 @@ def checkpoint_dir(source: ModelSource) -> str | None:
     return None
 
 
+# The sampling fields of a generation config that become the OpenAI API's
+# defaults (vLLM's --generation-config auto takes the same ones).
+# Each with the range the router accepts; a value outside it is left out.
+SAMPLING_DEFAULT_FIELDS = {
+    "temperature": lambda v: 0 <= v < float("inf"),
+    "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: v == int(v) and -1 <= v < 2**31,
+    "min_p": lambda v: 0 <= v <= 1,
+    "repetition_penalty": lambda v: 0 < v < float("inf"),
+}
+
+
+def _token_ids(value) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value or []]
+
+
+def generation_facts(model: torch.nn.Module) -> tuple[list[int], dict[str, float]]:
+    """The end-of-sequence ids (config.json's, then those the generation
+    config adds: Llama 3 Instruct's <|eot_id|> is only there) and the
+    sampling values the generation config sets away from transformers'
+    defaults (a config derived from config.json sets none)."""
+    eos = _token_ids(model.config.eos_token_id)
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        return eos, {}
+    eos += [i for i in _token_ids(gen.eos_token_id) if i not in eos]
+    diff = gen.to_diff_dict()
+    defaults: dict[str, float] = {}
+    for name, ok in SAMPLING_DEFAULT_FIELDS.items():
+        value = diff.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            _LOGGER.warning("generation config value left out", field=name, value=repr(value)[:64])
+            continue
+        defaults[name] = int(value) if name == "top_k" else float(value)
+    return eos, defaults
+
+
 class ModelNotServable(ValueError):
     """A model the executor cannot serve: not a decoder-only causal LM, or a
     checkpoint that does not load. The message names the architecture."""

@@ -87,12 +87,18 @@ class MainThreadWorker:
 
 class ExecutorService(pb_grpc.ExecutorServicer):
     def __init__(
-        self, runner: ModelRunner, model_name: str, eos_ids: list[int], metrics: ExecutorMetrics | None = None
+        self,
+        runner: ModelRunner,
+        model_name: str,
+        eos_ids: list[int],
+        metrics: ExecutorMetrics | None = None,
+        sampling_defaults: dict[str, float] | None = None,
     ) -> None:
         self.runner = runner
         self.metrics = metrics or ExecutorMetrics()
         self.model_name = model_name
         self.eos_ids = eos_ids
+        self.sampling_defaults = pb.SamplingDefaults(**(sampling_defaults or {}))
         self.instance_id = random.getrandbits(63)
         # One step at a time, in step_id order: the router may send plan N+1
         # while plan N runs (pipelined decode), and concurrent RPCs can reach
@@ -121,6 +127,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             attention_backend=r.backend,
             eos_token_ids=self.eos_ids,
             instance_id=self.instance_id,
+            sampling_defaults=self.sampling_defaults,
         )
 
     def Step(self, request: pb.Plan, context):

@@ -86,6 +86,10 @@ class ServerConfig:
     # text such as `</s>` into those tokens, as vLLM and TGI do; false keeps it
     # characters. Chat message content is always data.
     parse_special_tokens_in_text: bool = True
+    # The OpenAI API takes the sampling values of the model's generation
+    # config (temperature, top_p, top_k, min_p, repetition_penalty) for the
+    # fields a request leaves out, as vLLM does; false: OpenAI's defaults.
+    use_generation_config: bool = True
     # Threads that tokenize, render chat templates and validate requests off
     # the event loop (one slow request never stalls the others).
     tokenizer_threads: int = 2

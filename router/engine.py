@@ -128,6 +128,8 @@ class ExecutorFacts:
     attention_backend: str
     eos_token_ids: list[int]
     instance_id: int
+    # The model's generation-config sampling values (the OpenAI API's defaults).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:
@@ -219,6 +221,7 @@ class Engine:
             d.attention_backend,
             list(d.eos_token_ids),
             d.instance_id,
+            {f.name: v for f, v in d.sampling_defaults.ListFields()},
         )
         await self.client.reset()
         c = self.cfg.cache

@@ -454,14 +454,23 @@ class ModelApi:
 
     def _translate(self, body: _Common, max_tokens: int | None, request_id: str) -> gpb.GenerateRequest:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        facts = self.engine.facts
+        use = self.cfg.server.use_generation_config and facts is not None
+        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        defaults |= facts.sampling_defaults if use else {}
+
+        def pick(name: str):
+            value = getattr(body, name)
+            return defaults[name] if value is None else value
+
         sampling = gpb.SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(0, body.top_k or 0),  # vLLM's -1 means off, as 0 here
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=max(0, int(pick("top_k"))),  # vLLM's -1 means off, as 0 here
+            repetition_penalty=pick("repetition_penalty"),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            min_p=body.min_p or 0.0,
+            min_p=pick("min_p"),
         )
         for key, bias in (body.logit_bias or {}).items():
             if not key.isdigit():

@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "dtype", "vocab_size", "max_context_length", "num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "num_swap_blocks", "attention_backend", "eos_token_ids", "instance_id")
+    __slots__ = ("model", "dtype", "vocab_size", "max_context_length", "num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "num_swap_blocks", "attention_backend", "eos_token_ids", "instance_id", "sampling_defaults")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class DescribeResponse(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     vocab_size: int
@@ -38,7 +39,22 @@ class DescribeResponse(_message.Message):
     attention_backend: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     instance_id: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., attention_backend: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[int] = ...) -> None: ...
+    sampling_defaults: SamplingDefaults
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., attention_backend: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+
+class SamplingDefaults(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class SeqSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "repetition_penalty", "logprobs", "presence_penalty", "frequency_penalty", "min_p", "logit_bias_ids", "logit_bias_values", "min_tokens", "suppress_ids", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
