@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import struct
 import time
 
 import structlog
@@ -94,7 +97,6 @@ def export_gguf_checkpoint(source: ModelSource, dest: str, force: bool = False) 
     dequantised state dict, config and tokenizer are written directly. Other
     engines (the vLLM peer of the benchmarks) load the same directory.
     """
-    import json
     import shutil
 
     from safetensors.torch import save_file
@@ -195,8 +197,6 @@ class ModelNotServable(ValueError):
 
 def architecture(path: str) -> str:
     """'<architectures[0]> (model_type <t>)' of a checkpoint directory's config.json."""
-    import json
-
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
             cfg = json.load(fh)
@@ -209,8 +209,6 @@ def architecture(path: str) -> str:
 def check_causal_lm(path: str) -> None:
     """Refuses a checkpoint that transformers has no causal-LM class for
     (an encoder-decoder like T5, an encoder like BERT, an unknown type)."""
-    import json
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
@@ -219,6 +217,56 @@ def check_causal_lm(path: str) -> None:
         raise ModelNotServable(
             f"{architecture(path)}: not a decoder-only causal LM that transformers can build "
             "(cbserve serves the AutoModelForCausalLM architectures)"
+        )
+
+
+# Bytes per element of the safetensors dtypes; the floating ones are cast to
+# the serving dtype on load, the others keep theirs.
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_ST_BYTES_FIXED = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def checkpoint_bytes(path: str, dtype: torch.dtype) -> int | None:
+    """What the weights of a safetensors checkpoint take once loaded in
+    `dtype`, read from the files' headers alone; None without safetensors
+    files."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return None
+    total = 0
+    for name in files:
+        with open(name, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for key, t in header.items():
+            if key == "__metadata__":
+                continue
+            numel = 1
+            for d in t["shape"]:
+                numel *= int(d)
+            if t["dtype"] in _ST_BYTES:
+                total += numel * dtype.itemsize
+            else:
+                total += numel * _ST_BYTES_FIXED.get(t["dtype"], 8)
+    return total
+
+
+def _check_fits(path: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuses a checkpoint whose weights alone exceed the memory `device`
+    has available, before loading starts (else the kernel's OOM killer ends
+    the executor mid-load with no word of why)."""
+    from executor.kv_cache import available_bytes
+
+    try:
+        need = checkpoint_bytes(path, dtype)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return  # from_pretrained says what is wrong with the files
+    free = available_bytes(str(device))
+    if need is not None and free is not None and need > free:
+        raise ModelNotServable(
+            f"{architecture(path)} at {path}: its weights take {need / 2**30:.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}, more than the {free / 2**30:.1f} GiB of {device.type} memory "
+            "available"
         )
 
 
@@ -237,10 +285,19 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device = t
             raise ModelNotServable(f"{source.gguf_file}: the GGUF file does not load: {exc}") from exc
         if source.kind == "hf_dir":
             check_causal_lm(path)
+        _check_fits(path, dtype, device)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
         except Exception as exc:  # noqa: BLE001  (truncated files raise the safetensors library's own error)
             raise ModelNotServable(f"{architecture(path)} at {path} does not load: {exc}") from exc
+        # transformers fills weights a checkpoint lacks with random values and
+        # only warns: such a model would answer, wrongly.
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:
+            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            raise ModelNotServable(
+                f"{architecture(path)} at {path} is incomplete: no weights for {', '.join(missing[:4])}{more}"
+            )
     model.to(device)
     model.eval()
     for p in model.parameters():

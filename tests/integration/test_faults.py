@@ -188,6 +188,53 @@ def test_a_broken_checkpoint_is_refused_with_the_reason(tmp_path):
     assert "LlamaForCausalLM (model_type llama) at" in log and "does not load" in log
 
 
+def _small_llama(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+
+
+def test_an_incomplete_checkpoint_is_refused_naming_what_it_lacks(tmp_path):
+    """transformers fills a weight the files lack with random values and
+    only warns: served, such a model would answer nonsense."""
+    from safetensors.torch import load_file, save_file
+
+    _small_llama(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    log = _serve_refused("--device", "cpu", model=str(tmp_path))
+    assert "LlamaForCausalLM (model_type llama) at" in log
+    assert "is incomplete: no weights for model.layers.1.mlp.down_proj.weight" in log
+
+
+def test_a_checkpoint_whose_config_does_not_match_its_weights_is_refused(tmp_path):
+    import json
+
+    _small_llama(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    log = _serve_refused("--device", "cpu", model=str(tmp_path))
+    assert "does not load" in log and "size mismatch" in log.lower()
+
+
+def test_a_checkpoint_larger_than_memory_is_refused_before_loading(tmp_path):
+    """The safetensors headers say what the weights take: a 2 TiB tensor is
+    refused with both sizes named, before a byte of it is read."""
+    import json
+    import struct
+
+    _small_llama(tmp_path)
+    header = json.dumps(
+        {"model.embed_tokens.weight": {"dtype": "BF16", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 0]}}
+    )
+    (tmp_path / "model-extra.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    log = _serve_refused("--device", "cpu", "--dtype", "float32", model=str(tmp_path))
+    assert "its weights take 4096.0 GiB in float32, more than the" in log and "GiB of cpu memory available" in log
+
+
 def test_a_checkpoint_without_a_tokenizer_stops_serve_with_the_reason(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -213,3 +213,22 @@ def test_router_alone_refuses_two_models_on_one_executor(tmp_path):
         env={**os.environ},
     )
     assert out.returncode == 2 and "both use executor.address" in out.stderr
+
+
+def test_a_sharded_checkpoint_serves_as_one(tmp_path):
+    """Sharded safetensors (an index and several files) load as one model:
+    greedy tokens equal the in-memory model's."""
+    model = _checkpoint(tmp_path, "llama")
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(tmp_path, max_shard_size="1MB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    server = start_server(str(tmp_path))
+    try:
+        with server.channel() as ch:
+            for prompt in PROMPTS:
+                out = stub(ch).Complete(gen_request(prompt, max_new=NEW), timeout=60)
+                assert list(out.token_ids) == _hf(model, prompt)
+        wait_idle(server)
+    finally:
+        server.stop()
