@@ -67,6 +67,7 @@ async def _phase(target: str, big_clients: int, seconds: float, sender_nice: int
 
     gaps: list[float] = []
     health_ms: list[float] = []
+    timeouts = [0]  # health checks not answered within their 5 s
     sender = None
     if big_clients:
         cmd = [sys.executable, "-m", "bench.loop_stall", "--send", target, "--clients", str(big_clients)]
@@ -96,7 +97,10 @@ async def _phase(target: str, big_clients: int, seconds: float, sender_nice: int
         async def health() -> None:
             while time.monotonic() < end:
                 t0 = time.monotonic()
-                await hstub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                try:
+                    await hstub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                except grpc.aio.AioRpcError:
+                    timeouts[0] += 1
                 health_ms.append(1e3 * (time.monotonic() - t0))
                 await asyncio.sleep(0.05)
 
@@ -108,6 +112,7 @@ async def _phase(target: str, big_clients: int, seconds: float, sender_nice: int
         "itl_ms": {q: round(1e3 * _pct(gaps, p), 2) for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
         "health_ms": {q: round(_pct(health_ms, p), 2) for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
         "health_checks": len(health_ms),
+        "health_timeouts": timeouts[0],
         "tokens": len(gaps),
         "big_outcomes": outcomes,
         "mean_itl_ms": round(1e3 * statistics.mean(gaps), 2) if gaps else None,
@@ -150,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--max-input-chars", type=int, default=0, help="limits.max_input_chars (0: the default)")
     p.add_argument("--max-receive-bytes", type=int, default=0, help="server.max_receive_message_bytes (0: derived)")
+    p.add_argument("--tokenizer-nice", type=int, default=-1, help="server.tokenizer_nice (-1: the default)")
     p.add_argument("--sender-nice", type=int, default=0, help="niceness of the senders' process")
     p.add_argument("--out", default="bench/results/loop_stall.json")
     p.add_argument("--send", metavar="TARGET", help=argparse.SUPPRESS)  # the senders' process
@@ -159,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(json.dumps(asyncio.run(_send(a.send, a.clients, a.seconds))))
         return 0
     extra: dict = {"server": {"max_receive_message_bytes": a.max_receive_bytes}}
+    if a.tokenizer_nice >= 0:
+        extra["server"]["tokenizer_nice"] = a.tokenizer_nice
     if a.max_input_chars:
         extra["limits"] = {"max_input_chars": a.max_input_chars}
     out = Path(a.out)
@@ -186,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         r = result[name]
         sys.stdout.write(
             f"{name:16s} ITL p50/p99/max {r['itl_ms']['p50']}/{r['itl_ms']['p99']}/{r['itl_ms']['max']} ms; "
-            f"health p50/p99/max {r['health_ms']['p50']}/{r['health_ms']['p99']}/{r['health_ms']['max']} ms; "
+            f"health p50/p99/max {r['health_ms']['p50']}/{r['health_ms']['p99']}/{r['health_ms']['max']} ms "
+            f"({r['health_timeouts']} timed out); "
             f"big requests {r['big_outcomes']}; steps {r['steps']}\n"
         )
     return 0

@@ -93,6 +93,9 @@ class ServerConfig:
     # Threads that tokenize, render chat templates and validate requests off
     # the event loop (one slow request never stalls the others).
     tokenizer_threads: int = 2
+    # Niceness added to those threads (0-19): tokenizing large inputs gives
+    # way to the event loop and a co-located executor when cores are short.
+    tokenizer_nice: int = 10
     # TLS on the public port: server certificate and key (PEM). Empty = plaintext.
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -354,6 +357,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     srv = cfg.server
     _positive(srv.stream_interval, "server.stream_interval")
     _positive(srv.tokenizer_threads, "server.tokenizer_threads")
+    if not 0 <= srv.tokenizer_nice <= 19:
+        raise ConfigError(f"server.tokenizer_nice: must be in [0, 19], got {srv.tokenizer_nice}")
     _positive(srv.max_http_body_bytes, "server.max_http_body_bytes", True)
     _positive(srv.max_receive_message_bytes, "server.max_receive_message_bytes", True)
     for name in ("port", "metrics_port", "http_port"):

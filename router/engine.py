@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -132,6 +135,17 @@ class ExecutorFacts:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
+def _lower_priority(nice: int) -> None:
+    """Runs in each tokenizer thread: Linux keeps a niceness per thread, so
+    a large input's tokenization yields the cores to the event loop and a
+    co-located executor. Raising one's own niceness needs no privilege."""
+    if nice and sys.platform.startswith("linux"):  # elsewhere a thread id is no process id
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as exc:  # a sandbox that forbids it: the thread keeps the loop's priority
+            _LOGGER.warning("tokenizer thread priority unchanged", error=str(exc))
+
+
 class Engine:
     def __init__(
         self,
@@ -163,7 +177,12 @@ class Engine:
         self.accepting = True
         # Tokenization, chat templates and validation of large inputs: never
         # on the event loop (server.tokenizer_threads).
-        self._pool = ThreadPoolExecutor(cfg.server.tokenizer_threads, thread_name_prefix="cbserve-tokenize")
+        self._pool = ThreadPoolExecutor(
+            cfg.server.tokenizer_threads,
+            thread_name_prefix="cbserve-tokenize",
+            initializer=_lower_priority,
+            initargs=(cfg.server.tokenizer_nice,),
+        )
         self._wake = asyncio.Event()
         self._aborts: list[tuple[Request, Delta]] = []
         self._stop = asyncio.Event()

@@ -27,6 +27,18 @@ class ChatTemplateError(ValueError):
     message's content cannot be kept as data in what it rendered."""
 
 
+# tokenizers' encode() holds the GIL for the whole call, so a long text on a
+# tokenizer thread would still stop the event loop; encode_batch() releases
+# it while the Rust side works. Short texts keep encode(), the quicker call.
+GIL_FREE_ENCODE_CHARS = 8192
+
+
+def _encode(backend, text: str) -> list[int]:
+    if len(text) < GIL_FREE_ENCODE_CHARS:
+        return backend.encode(text, add_special_tokens=False).ids
+    return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 @dataclass
 class Tokenizer:
     hf: object  # a transformers PreTrainedTokenizerFast
@@ -49,7 +61,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Prompt text: special-token text in it is parsed as those tokens."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return _encode(self.backend, text)
 
     def encode_text(self, text: str) -> list[int]:
         """A request's prompt text: special-token text parsed unless the
@@ -58,7 +70,7 @@ class Tokenizer:
 
     def encode_plain(self, text: str) -> list[int]:
         """Text as data: special-token text in it is ordinary characters."""
-        return self.plain.encode(text, add_special_tokens=False).ids
+        return _encode(self.plain, text)
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None) -> list[int]:
         """The chat template's rendering (with `tools` when given), tokenized
@@ -141,6 +153,9 @@ class TokenizerUnavailable(ValueError):
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:
+    # One text per call on the router's own threads: no rayon pool (with it
+    # tokenizers also warns in every process `cbserve serve` forks later).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
     spec = (model or "smollm2").strip()

@@ -238,10 +238,12 @@ def test_an_oversized_message_is_refused_before_the_client_sends_it_all(bdp_prob
 
 
 def test_large_tokenizations_run_beside_health_and_a_stream():
-    """Four Tokenize calls of two million characters each (over a second of
-    tokenizer work apiece) run on the tokenizer threads: health checks are
-    answered and a stream's tokens keep coming while all four are still in
-    progress."""
+    """Eight Tokenize calls of two million characters each (seconds of
+    tokenizer work, two at a time on the tokenizer threads) leave the event
+    loop free: before the first of them is answered, a stream has received
+    hundreds of tokens and every health check between them was answered.
+    Had tokenization run on the event loop, or held the GIL as tokenizers'
+    encode() does, a few dozen tokens would have come through."""
     import asyncio
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -256,30 +258,43 @@ def test_large_tokenizations_run_beside_health_and_a_stream():
         opts = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]
         async with grpc.aio.insecure_channel(server.address, options=opts) as ch:
             s, health = gpb_grpc.GenerationStub(ch), health_pb2_grpc.HealthStub(ch)
-            stream = s.Generate(gen_request([5, 6, 7], max_new=500))
+            stream = s.Generate(gen_request([5, 6, 7], max_new=2000))
             await stream.read()
-            big = [
-                asyncio.ensure_future(s.Tokenize(gpb.TokenizeRequest(text="word " * (chars // 5)))) for _ in range(4)
-            ]
-            await asyncio.sleep(0.3)  # the requests are received and being tokenized
-            checks = tokens = 0
-            for _ in range(5):
-                if (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == 1:
+            text = "word " * (chars // 5)
+            big = [asyncio.ensure_future(s.Tokenize(gpb.TokenizeRequest(text=text))) for _ in range(8)]
+            tokens = checks = 0
+            while not any(f.done() for f in big) and await stream.read() is not grpc.aio.EOF:
+                tokens += 1
+                if tokens % 50 == 0:
+                    assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == 1
                     checks += 1
-                if await stream.read() is not grpc.aio.EOF:
-                    tokens += 1
-            in_progress = sum(not f.done() for f in big)
             lengths = [len((await f).token_ids) for f in big]
             stream.cancel()
-            return checks, tokens, in_progress, lengths
+            return tokens, checks, lengths
 
     try:
-        checks, tokens, in_progress, lengths = asyncio.run(run())
-        assert lengths == [chars] * 4  # the tiny tokenizer is byte-level
-        # Had tokenization run on the event loop, the first health check
-        # would only have been answered once a tokenization had finished.
-        assert checks == 5 and tokens == 5 and in_progress == 4
+        tokens, checks, lengths = asyncio.run(run())
+        assert lengths == [chars] * 8  # the tiny tokenizer is byte-level
+        assert tokens >= 200 and checks == tokens // 50
         wait_idle(server)
+    finally:
+        server.stop()
+
+
+def test_tokenizer_threads_run_at_the_configured_niceness():
+    """server.tokenizer_nice: the threads that tokenize run that much nicer
+    than the router's event loop (Linux keeps a niceness per thread)."""
+    import pathlib
+
+    from cbserve.v1 import generation_pb2 as gpb
+
+    server = start_server("tiny", config={"server": {"tokenizer_nice": 7}})
+    try:
+        with server.channel() as ch:
+            assert len(stub(ch).Tokenize(gpb.TokenizeRequest(text="hello"), timeout=30).token_ids) == 5
+        tasks = pathlib.Path(f"/proc/{server.proc.pid}/task")
+        nice = {int(t.name): int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
+        assert nice[server.proc.pid] == 0 and 7 in nice.values()
     finally:
         server.stop()
 
