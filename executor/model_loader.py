@@ -150,15 +150,9 @@ def checkpoint_dir(source: ModelSource) -> str | None:
 
 
 # The sampling fields of a generation config that become the OpenAI API's
-# defaults (vLLM's --generation-config auto takes the same ones).
-# Each with the range the router accepts; a value outside it is left out.
-SAMPLING_DEFAULT_FIELDS = {
-    "temperature": lambda v: 0 <= v < float("inf"),
-    "top_p": lambda v: 0 < v <= 1,
-    "top_k": lambda v: v == int(v) and -1 <= v < 2**31,
-    "min_p": lambda v: 0 <= v <= 1,
-    "repetition_penalty": lambda v: 0 < v < float("inf"),
-}
+# defaults (vLLM's --generation-config auto takes the same ones). Their
+# ranges are the router's to judge (router/validation.py).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _token_ids(value) -> list[int]:
@@ -179,11 +173,11 @@ def generation_facts(model: torch.nn.Module) -> tuple[list[int], dict[str, float
     eos += [i for i in _token_ids(gen.eos_token_id) if i not in eos]
     diff = gen.to_diff_dict()
     defaults: dict[str, float] = {}
-    for name, ok in SAMPLING_DEFAULT_FIELDS.items():
+    for name in SAMPLING_DEFAULT_FIELDS:
         value = diff.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (name == "top_k" and value != int(value)):
             _LOGGER.warning("generation config value left out", field=name, value=repr(value)[:64])
             continue
         defaults[name] = int(value) if name == "top_k" else float(value)
@@ -220,9 +214,9 @@ def check_causal_lm(path: str) -> None:
         )
 
 
-# Bytes per element of the safetensors dtypes; the floating ones are cast to
-# the serving dtype on load, the others keep theirs.
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+# Safetensors dtypes: the floating ones are cast to the serving dtype on
+# load; the others keep their bytes per element.
+_ST_FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 _ST_BYTES_FIXED = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -244,7 +238,7 @@ def checkpoint_bytes(path: str, dtype: torch.dtype) -> int | None:
             numel = 1
             for d in t["shape"]:
                 numel *= int(d)
-            if t["dtype"] in _ST_BYTES:
+            if t["dtype"] in _ST_FLOATING:
                 total += numel * dtype.itemsize
             else:
                 total += numel * _ST_BYTES_FIXED.get(t["dtype"], 8)

@@ -29,6 +29,7 @@ from router.request import Finish, Request, Status
 from router.scheduler import Scheduler, SchedulerOutput
 from router.tokenizer import Tokenizer
 from router.tracing import RequestTracer
+from router.validation import sampling_defaults
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -240,8 +241,12 @@ class Engine:
             d.attention_backend,
             list(d.eos_token_ids),
             d.instance_id,
-            {f.name: v for f, v in d.sampling_defaults.ListFields()},
         )
+        facts.sampling_defaults, refused = sampling_defaults(
+            {f.name: v for f, v in d.sampling_defaults.ListFields()}, d.vocab_size
+        )
+        for name, why in refused.items():
+            _LOGGER.warning("generation config default left out", model=self.name, field=name, reason=why)
         await self.client.reset()
         c = self.cfg.cache
         blocks = BlockManager(

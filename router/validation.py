@@ -178,6 +178,21 @@ def _sampling(s: gpb.SamplingParams, vocab_size: int) -> Sampling:
     )
 
 
+def sampling_defaults(values: dict[str, float], vocab_size: int) -> tuple[dict[str, float], dict[str, str]]:
+    """A model's generation-config sampling values split into those a request
+    may take as its defaults and those its own sampling validation refuses
+    (with the reason): a default no request could send is left out."""
+    usable, refused = {}, {}
+    for name, value in values.items():
+        try:  # as the HTTP API sends it: vLLM's top_k -1 is off, 0 here
+            _sampling(gpb.SamplingParams(**{name: max(0, value) if name == "top_k" else value}), vocab_size)
+        except (RequestError, ValueError) as exc:
+            refused[name] = str(exc)
+            continue
+        usable[name] = value
+    return usable, refused
+
+
 def _matcher(msg: gpb.GenerateRequest, structured):
     """The matcher of a structured-output request (INVALID_ARGUMENT naming
     the constraint when it does not compile)."""
