@@ -115,7 +115,8 @@ def _run(system: str, flag: str, path: Path, out: Path) -> dict:
 def roofline_bound(path: Path, cap: int = 256) -> dict:
     """The FCFS roofline bound of the workload on `path`'s shapes
     (bench/bound.py) with this machine's roofs measured now: the bf16 matmul
-    rate of the model's projections at 256 rows (FLOP-weighted) and the
+    rate of the model's projections at 256 rows (FLOP-weighted, each shape
+    at its fastest implementation: bench.roofline.time_linear) and the
     stream read bandwidth."""
     from bench.bound import Machine, ModelCost, classic_lengths, fcfs_bound
     from bench.roofline import measure, shapes_of, stream_gb_s

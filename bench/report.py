@@ -464,7 +464,7 @@ def phase_table(results: dict) -> str:
     (bench/standalone.phase_profile: the lean forward's calls and the LM head
     wrapped in timers, summed per phase over the decode steps; the rest is
     what the untimed steps take beyond them), each phase against its roof
-    where it has one: the matmuls at the roofline's F.linear time of the same
+    where it has one: the matmuls at the roofline's time for the same
     shapes over all layers, attention at the batch's K/V read once at the
     stream bandwidth. The last two columns: the same step over the opt-in
     fp8 e5m2 KV cache (cache.kv_cache_dtype), where measured; its attention

@@ -1,5 +1,6 @@
-"""Roofline for decode: achieved torch matmul GFLOP/s at SmolLM2's projection
-shapes (M = batch rows) and the decode bound it implies:
+"""Roofline for decode: the achieved matmul GFLOP/s at SmolLM2's projection
+shapes (M = batch rows; per shape the fastest of torch's F.linear and
+cbserve's native bf16 kernels) and the decode bound it implies:
 
     tokens/s <= achieved FLOP/s / (2 x parameters)
 
@@ -77,30 +78,57 @@ def param_count(cfg: dict = SMOLLM2) -> dict[str, int]:
     return {"matmul_params": mm, "total_params": mm + norms, "embedding_params": cfg["hidden"] * cfg["vocab"]}
 
 
-def time_linear(m: int, k: int, n: int, dtype, min_time_s: float = 0.15, reps: int = 7) -> float:
-    """Best (minimum) seconds per call of F.linear([m,k], [n,k]) over `reps`
-    timed loops: a roofline is an upper bound, and on a shared machine the
-    minimum is the sample least disturbed by other load."""
+def linear_impls(k: int, n: int, dtype) -> list[tuple[str, Any]]:
+    """(name, call(x)) of each implementation of one [n, k] linear layer that
+    the roof is measured over: torch's F.linear and, in bfloat16, cbserve's
+    native kernels over packed weights where the CPU has them (the lean
+    forward runs those). The roof is the fastest: a bound that the served
+    model beats is no bound."""
     import torch
     import torch.nn.functional as F
 
-    x = torch.randn(m, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype)
+    impls: list[tuple[str, Any]] = [("F.linear", lambda x: F.linear(x, w))]
+    if dtype != torch.bfloat16:
+        return impls
+    try:
+        import native._fused as fused
+    except ImportError:
+        return impls
+    packed = fused.amx_pack_weight(w) if fused.avx512_linear_supported() or fused.amx_linear_supported() else None
+    for name, supported, call in (
+        ("amx_linear", fused.amx_linear_supported, fused.amx_linear),
+        ("avx512_linear", fused.avx512_linear_supported, fused.avx512_linear),
+    ):
+        if supported():
+            impls.append((name, lambda x, call=call: call(x, packed, n, None)))
+    return impls
+
+
+def time_linear(m: int, k: int, n: int, dtype, min_time_s: float = 0.15, reps: int = 7) -> tuple[float, str]:
+    """Best (minimum) seconds per call of a [m, k] x [n, k]^T linear layer over
+    `reps` timed loops of each implementation (linear_impls), and the
+    implementation that ran it: a roofline is an upper bound, and on a shared
+    machine the minimum is the sample least disturbed by other load."""
+    import torch
+
+    x = torch.randn(m, k, dtype=dtype)
+    best = (math.inf, "")
     with torch.inference_mode():
-        for _ in range(3):
-            F.linear(x, w)
-        # calibrate the inner loop to ~min_time_s / reps
-        t0 = time.perf_counter()
-        F.linear(x, w)
-        one = max(time.perf_counter() - t0, 1e-6)
-        iters = max(1, int(min_time_s / reps / one))
-        samples = []
-        for _ in range(reps):
+        for name, call in linear_impls(k, n, dtype):
+            for _ in range(3):
+                call(x)
+            # calibrate the inner loop to ~min_time_s / reps
             t0 = time.perf_counter()
-            for _ in range(iters):
-                F.linear(x, w)
-            samples.append((time.perf_counter() - t0) / iters)
-    return min(samples)
+            call(x)
+            one = max(time.perf_counter() - t0, 1e-6)
+            iters = max(1, int(min_time_s / reps / one))
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    call(x)
+                best = min(best, ((time.perf_counter() - t0) / iters, name))
+    return best
 
 
 def measure(
@@ -130,7 +158,7 @@ def measure(
     one_row: dict[str, float] = {}
     for dt, p in it:
         tdt = getattr(torch, dt)
-        s = time_linear(batch, p.k, p.n, tdt, min_time_s)
+        s, impl = time_linear(batch, p.k, p.n, tdt, min_time_s)
         gf = 2 * batch * p.k * p.n / s / 1e9
         out["matmuls"].append(
             {
@@ -141,12 +169,13 @@ def measure(
                 "dtype": dt,
                 "ms": s * 1e3,
                 "gflops": gf,
+                "impl": impl,
                 "calls_per_step": p.per_token_calls,
             }
         )
         per_dtype[dt] = per_dtype.get(dt, 0.0) + s * p.per_token_calls
         if p.name == "gate_proj":
-            s1 = time_linear(1, p.k, p.n, tdt, min_time_s / 2)
+            s1, _ = time_linear(1, p.k, p.n, tdt, min_time_s / 2)
             one_row[dt] = 2 * p.k * p.n / s1 / 1e9
     for dt in dtypes:
         step_s = per_dtype[dt]
@@ -237,6 +266,17 @@ def attach_cbserve(roof: dict, decode_tok_s_by_dtype: dict[str, float]) -> dict:
     return roof
 
 
+def _fastest(roof: dict) -> str:
+    """Which implementation ran each dtype's shapes fastest, e.g.
+    "bfloat16: avx512_linear ×7, F.linear ×1; float32: F.linear ×8"."""
+    from collections import Counter
+
+    by_dtype: dict[str, Counter] = {}
+    for m in roof["matmuls"]:
+        by_dtype.setdefault(m["dtype"], Counter())[m.get("impl") or "F.linear"] += 1
+    return "; ".join(f"{dt}: " + ", ".join(f"{name} ×{n}" for name, n in c.most_common()) for dt, c in by_dtype.items())
+
+
 def describe(roof: dict) -> str:
     p = roof["params"]
     lines = [
@@ -244,8 +284,9 @@ def describe(roof: dict) -> str:
         "every projection of one decode step at batch M (so slow shapes count); 'simple bound' uses the "
         "64×576×1536 rate alone. Best of 7 timed loops per shape.",
         f"Matmul parameters per decode step: {p['matmul_params'] / 1e6:.1f} M (30 layers of q/k/v/o/gate/up/down "
-        f"+ the tied 576×49152 LM head); one decode token costs 2 × that in FLOPs. torch {roof.get('torch', '')} "
-        f"F.linear, {roof['threads']} threads, M = {roof['batch']} rows (one row per sequence in the batch).",
+        f"+ the tied 576×49152 LM head); one decode token costs 2 × that in FLOPs. Per shape the faster of torch "
+        f"{roof.get('torch', '')} F.linear and cbserve's native bf16 kernels ({_fastest(roof)}), "
+        f"{roof['threads']} threads, M = {roof['batch']} rows (one row per sequence in the batch).",
     ]
     for b in roof["bounds"]:
         if b.get("gflops_batch1_576x1536"):

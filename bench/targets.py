@@ -192,8 +192,9 @@ def alone_rows(results: dict) -> list[dict]:
 
 
 # Phases of a decode step (bench/standalone.PHASES, plus 'rest') and the
-# roofline's projections each one runs: their F.linear time at the step's
-# batch, over all layers, is that phase's compute roof.
+# roofline's projections each one runs: their matmul-roof time at the step's
+# batch (bench.roofline.time_linear), over all layers, is that phase's
+# compute roof.
 PHASE_ROOF = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
@@ -216,8 +217,8 @@ PHASE_LABEL = {
 
 def phase_rows(results: dict, dtype: str = "bfloat16", kv_fp8: bool = False) -> list[dict]:
     """The executor-alone decode step (the profiled batch) by phase, each
-    against its roof where it has one: matmuls at the roofline's F.linear time
-    of the same shapes, attention at the batch's K/V read once at the stream
+    against its roof where it has one: matmuls at the roofline's time for the
+    same shapes, attention at the batch's K/V read once at the stream
     bandwidth. `kv_fp8`: the same step over the fp8 e5m2 KV cache (half the
     K/V bytes). Empty without that phase profile."""
     alone = results.get("standalone") or {}
@@ -284,8 +285,8 @@ def _phase_sentence(results: dict, dtype: str, b: dict) -> str:
         )
     return (
         f" Where the alone step goes (the phase table; {prof['step_ms']:.1f} ms a step): the matmuls "
-        f"{sum(r['ms'] for r in mm):.1f} ms against {sum(r['roof_ms'] for r in mm):.1f} ms for F.linear at "
-        f"the same shapes, attention {att['ms']:.1f} ms against {att['roof_ms']:.1f} ms for reading the "
+        f"{sum(r['ms'] for r in mm):.1f} ms against {sum(r['roof_ms'] for r in mm):.1f} ms for the roofline's "
+        f"matmuls at the same shapes, attention {att['ms']:.1f} ms against {att['roof_ms']:.1f} ms for reading the "
         f"batch's K/V once at the stream bandwidth, norms, rotary, cache writes and the rest {other:.1f} ms. "
         f"Above their roofs: {over_text or 'none'}. {100 * ROOFLINE_SHARE:.0f} % of the bound is "
         f"{target_ms:.1f} ms a step; {verdict}. {RECORDED['amx_decode_attention_trial']} Fewer "
@@ -483,7 +484,7 @@ def _vllm_cap_text(results: dict, dtype: str, cap: int, b: dict, params: dict) -
     return (
         f"1.5× vLLM-CPU at cap {cap}: vLLM took {sv['duration_s']:.2f} s for the run, cbserve "
         f"{sf['duration_s']:.2f} s; 1.5× is {goal_s:.2f} s. The {sv['prompt_tokens']} prompt tokens are "
-        f"{prefill_flop / 1e12:.2f} TFLOP of projections ({prefill_s:.2f} s at the F.linear rate measured "
+        f"{prefill_flop / 1e12:.2f} TFLOP of projections ({prefill_s:.2f} s at the matmul rate measured "
         f"here, {b['gflops_weighted']:.0f} GFLOP/s), which both systems pay at about the machine's matmul "
         f"rate: the last request's first token came at {ttft_v:.2f} s in vLLM and {ttft_f:.2f} s in cbserve "
         f"(TTFT p99; cbserve's steps carry the running requests' decode rows beside each prompt chunk). "
@@ -517,7 +518,7 @@ def _bound_sentence(results: dict, roof: dict, fcfs: dict, vllm: dict, goal_s: f
         )
     )
     cost = ModelCost.of(dtype=dtype)
-    # The matmul rate: the better of F.linear's here and cbserve's own prompt
+    # The matmul rate: the better of the roofline's here and cbserve's own prompt
     # phase (the schedule's FLOPs up to the last first token, over its time).
     phase_flops = fcfs_bound(lengths, prompt_len, budget, cost, Machine(math.inf, math.inf)).prompt_phase_flops
     linear = roof.get("gflops_weighted", 0.0) * 1e9
@@ -525,7 +526,7 @@ def _bound_sentence(results: dict, roof: dict, fcfs: dict, vllm: dict, goal_s: f
     src = (
         f"cbserve's own prompt phase: {phase_flops / 1e12:.2f} TFLOP by its last first token at {ttft_f:.2f} s"
         if peak > linear
-        else "F.linear's at the model's shapes"
+        else "the roofline's at the model's shapes"
     )
     b = fcfs_bound(lengths, prompt_len, budget, cost, Machine(peak, gb_s * 1e9))
     dv, df = vllm["summary"]["duration_s"], fcfs["summary"]["duration_s"]

@@ -74,3 +74,25 @@ def test_cli_reports_the_memory_roof(monkeypatch, capsys, tmp_path):
     b = json.loads(out.read_text())["bounds"][0]
     assert b["roofline_bound_tok_s"] == min(b["memory_bound_tok_s"], b["decode_bound_tok_s"])
     assert math.isclose(b["memory_bound_tok_s"], 4 / (rl.step_bytes(4, 100, "float32") / 20e9))
+
+
+def test_every_timed_linear_implementation_computes_the_layer():
+    """The roof is the fastest implementation of each shape, so each one
+    timed must compute that linear layer (a mis-packed native kernel would
+    time the wrong work)."""
+    import torch
+
+    from bench.roofline import linear_impls, time_linear
+
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        impls = linear_impls(96, 64, dtype)
+        assert impls[0][0] == "F.linear"
+        x = torch.randn(5, 96, dtype=dtype)
+        want = impls[0][1](x).float()
+        for name, call in impls[1:]:
+            got = call(x).float()
+            assert got.shape == want.shape, name
+            assert torch.allclose(got, want, atol=tol * want.abs().max().item(), rtol=tol), name
+        s, impl = time_linear(5, 96, 64, dtype, min_time_s=0.002)
+        assert s > 0 and impl in {n for n, _ in impls}

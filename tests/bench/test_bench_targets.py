@@ -183,7 +183,7 @@ def test_limits_text_explains_a_missed_vllm_ratio_by_the_prefill_phase_both_pay(
     # After the last first token: vLLM 14.00 s, cbserve 13.70 - 5.50 = 8.20 s (1.71x); 1.5x needs
     # 13.33 - 5.50 = 7.83 s there, 1.8x vLLM's 14.00 s.
     assert "1.5× vLLM-CPU at cap 512: vLLM took 20.00 s for the run, cbserve 13.70 s; 1.5× is 13.33 s" in text
-    assert "1.74 TFLOP of projections (4.97 s at the F.linear rate measured here, 350 GFLOP/s)" in text
+    assert "1.74 TFLOP of projections (4.97 s at the matmul rate measured here, 350 GFLOP/s)" in text
     assert "first token came at 6.00 s in vLLM and 5.50 s in cbserve" in text
     assert "After it vLLM took 14.00 s more and cbserve 8.20 s, 1.71× faster" in text
     assert "1.5× would need the rest in 7.83 s, 1.8× vLLM's speed there" in text
@@ -480,7 +480,7 @@ def test_limits_text_sets_a_missed_vllm_ratio_against_the_fcfs_bound():
     fcfs["summary"]["ttft_s"]["p99"] = phase / 100e9
     del fcfs["meta"]
     text = " ".join(limits_text(res))
-    assert "at budget 512" in text and "a 350 GFLOP/s matmul rate (F.linear's" in text
+    assert "at budget 512" in text and "a 350 GFLOP/s matmul rate (the roofline's" in text
     # Without the run's workload there is no schedule to bound.
     del fcfs["workload"]
     assert "On the machine's roofs" not in " ".join(limits_text(res))
