@@ -95,14 +95,16 @@ def linear_impls(k: int, n: int, dtype) -> list[tuple[str, Any]]:
         import native._fused as fused
     except ImportError:
         return impls
-    packed = fused.amx_pack_weight(w) if fused.avx512_linear_supported() or fused.amx_linear_supported() else None
-    for name, supported, call in (
-        ("amx_linear", fused.amx_linear_supported, fused.amx_linear),
-        ("avx512_linear", fused.avx512_linear_supported, fused.avx512_linear),
-    ):
-        if supported():
-            impls.append((name, lambda x, call=call: call(x, packed, n, None)))
-    return impls
+    natives = [
+        (name, call)
+        for name, supported, call in (
+            ("amx_linear", fused.amx_linear_supported, fused.amx_linear),
+            ("avx512_linear", fused.avx512_linear_supported, fused.avx512_linear),
+        )
+        if supported()
+    ]
+    packed = fused.amx_pack_weight(w) if natives else None  # the layout both kernels read
+    return impls + [(name, lambda x, call=call: call(x, packed, n, None)) for name, call in natives]
 
 
 def time_linear(m: int, k: int, n: int, dtype, min_time_s: float = 0.15, reps: int = 7) -> tuple[float, str]:
