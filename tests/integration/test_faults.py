@@ -176,24 +176,20 @@ def test_a_checkpoint_that_is_not_a_causal_lm_is_refused_by_name(tmp_path):
     assert "T5ForConditionalGeneration (model_type t5): not a decoder-only causal LM" in log
 
 
-def test_a_broken_checkpoint_is_refused_with_the_reason(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    build_tiny_tokenizer().save_pretrained(tmp_path)
-    weights = tmp_path / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:200])  # truncated on the way
-    log = _serve_refused("--device", "cpu", model=str(tmp_path))
-    assert "LlamaForCausalLM (model_type llama) at" in log and "does not load" in log
-
-
 def _small_llama(path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
     LlamaForCausalLM(cfg).save_pretrained(path)
     build_tiny_tokenizer().save_pretrained(path)
+
+
+def test_a_broken_checkpoint_is_refused_with_the_reason(tmp_path):
+    _small_llama(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])  # truncated on the way
+    log = _serve_refused("--device", "cpu", model=str(tmp_path))
+    assert "LlamaForCausalLM (model_type llama) at" in log and "does not load" in log
 
 
 def test_an_incomplete_checkpoint_is_refused_naming_what_it_lacks(tmp_path):
