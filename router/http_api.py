@@ -41,6 +41,10 @@ from router.validation import ROLES, RequestError, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)
 
+# The OpenAI API's value for each sampling field a request leaves out, where
+# the model's generation config sets none (server.use_generation_config).
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -456,8 +460,7 @@ class ModelApi:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         facts = self.engine.facts
         use = self.cfg.server.use_generation_config and facts is not None
-        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-        defaults |= facts.sampling_defaults if use else {}
+        defaults = OPENAI_SAMPLING_DEFAULTS | facts.sampling_defaults if use else OPENAI_SAMPLING_DEFAULTS
 
         def pick(name: str):
             value = getattr(body, name)
