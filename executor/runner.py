@@ -161,6 +161,8 @@ class ModelRunner:
         self._dropped: set[int] = set()  # sequences refused alone, until the router frees them
         self._failed: list = []
         self._top: list = []
+        # CUDA logits of steps that allow it sample on the device (sampler.py).
+        self.device_sampling = True
         self.gpu = None  # the GPU lean forward, where it runs this model
         self.graphs = None  # its decode steps as CUDA graphs
         self.graph_capture: dict | None = None
@@ -510,7 +512,7 @@ class ModelRunner:
         allowed = [st.allowed for _, st in states]
         hist = [st.token_ids if st.sampling.needs_history else None for _, st in states]
         outputs = [st.num_output for _, st in states]
-        return sample(logits, params, hist, outputs, allowed, top_out=self._top)
+        return sample(logits, params, hist, outputs, allowed, top_out=self._top, on_device=self.device_sampling)
 
     @staticmethod
     def _record(sample_states: list[tuple[int, SeqState]], tokens: list[int]) -> list[int]:

@@ -13,6 +13,13 @@ uniform number per row drawn from a generator seeded by (seed, output index):
 the same seed and prompt give the same tokens run after run, whatever else is
 in the batch, and a sequence preempted and recomputed continues exactly where
 it was.
+
+On a CUDA GPU a step whose rows need no logit processing (no penalties, bias,
+min-tokens, grammar mask or logprobs) samples on the device instead
+(native/csrc/cuda_sampling.cu): the same algorithm and the same uniform draw,
+one block per row, so the tokens are the host's up to rounding at a
+boundary, and as seeded and batch-independent; only the token ids cross to
+the host.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+import native
 from native._fused import argmax as native_argmax
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio stride keeps per-step seeds apart
@@ -163,6 +171,29 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], output_indi
     return tokens.tolist()
 
 
+def device_samples(params: list[SamplingParams], allowed: list[bytes | None] | None = None) -> bool:
+    """Whether rows with these parameters may sample on a CUDA device: none
+    moves its logits, carries a grammar mask or asks for logprobs."""
+    return not any(p.moves_logits or p.logprobs for p in params) and not any(allowed or ())
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
+    """One token per row of CUDA logits [N, V] by native sample_tokens: greedy
+    rows their argmax, the others the host's temperature / min-p / top-k /
+    top-p and inverse-CDF draw with the same uniform number."""
+    table = [
+        [p.temperature for p in params],
+        [float(p.top_k) for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+        [0.0 if p.greedy else uniform_for(p.seed, i) for p, i in zip(params, output_indices)],
+    ]
+    dev = logits.device
+    out = torch.empty(len(params), dtype=torch.long, device=dev)
+    native._C.sample_tokens(out, logits.contiguous(), torch.tensor(table, dtype=torch.float32).to(dev))
+    return out.tolist()
+
+
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """First index of each row's maximum, as `logits.max(-1).indices`. On CPU
     the native pass (native._fused.argmax) reads each row once, where torch's
@@ -202,18 +233,22 @@ def sample(
     output_indices: list[int],
     allowed: list[bytes | None] | None = None,
     top_out: list | None = None,
+    on_device: bool = True,
 ) -> tuple[list[int], list[float] | None]:
     """Next token for each row, and the raw model log-probability of each
     chosen token when any row asked for logprobs. `allowed`: per row, the
     structured-output mask of the tokens that may be sampled, or None.
     `top_out`, when given, gets per row (ids, logprobs) of its top_logprobs
-    most likely tokens in the raw distribution, or None."""
+    most likely tokens in the raw distribution, or None. `on_device`: CUDA
+    logits of rows that allow it sample on the GPU (module docstring)."""
     want_logprobs = any(p.logprobs for p in params)
     allowed = allowed or [None] * len(params)
     if greedy_only(params) and not any(allowed):
         # Greedy fast path in the model's dtype: upcasting bf16 is exact, so
         # the maximum and its first index are the same without the fp32 copy.
         return greedy_tokens(logits), None
+    if on_device and logits.is_cuda and device_samples(params, allowed) and native.has_cuda():
+        return sample_on_device(logits, params, output_indices), None
     # On the host in fp32 whatever the model's device: the same logits give
     # the same tokens on every device (a GPU's rows are [N, V], a few MB).
     logits = logits.to("cpu", torch.float32)

@@ -17,6 +17,11 @@
 // second kernel combines the partitions of each row. A sequence then keeps
 // ceil(kv_len / part_tokens) blocks busy instead of one per KV head, which is
 // what a small decode batch over a long context needs.
+//
+// Decode launches take decode_attention_kernel instead where the shapes allow
+// (16-byte rows, GQA group of at most 8): a block per (partition, KV head,
+// sequence) reads each K and V row once, 16 bytes per thread, for all G query
+// heads of the group at once; see its comment.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -43,6 +48,7 @@ struct SplitKV {
   int part_tokens;  // a multiple of kTile
   int row_tiles;    // blockIdx.x = partition * row_tiles + row tile
   int num_tokens;
+  int direct;  // 1: a sequence with one partition had its output written directly (decode kernel)
 };
 
 template <typename T, bool kSplit>
@@ -153,6 +159,195 @@ __global__ void __launch_bounds__(kRows * 32)
   }
 }
 
+// ---------------------------------------------------------------- decode ---
+// One query token per sequence. Block (partition, KV head, sequence) of
+// kDecThreads threads; the GQA group's G <= kG query rows share every K / V
+// load. A token's head row (D elements) is read by TG = D / VE threads, VE
+// elements (16 bytes) each, so a pass of the block covers kDecThreads / TG
+// tokens. The partition is walked in chunks of kDecChunk tokens: scores to
+// shared memory, an online softmax per row (running max and sum in shared
+// memory), then P.V into per-thread accumulators; at the end those are summed
+// over the token lanes in a fixed order. A sequence whose context fits one
+// partition is normalised and written to `out` here; the others leave their
+// partial results for combine_splits_kernel (split.direct = 1 tells it to
+// skip the first kind).
+constexpr int kDecThreads = 128;
+constexpr int kDecChunk = 128;
+
+template <typename T>
+struct Vec16 {
+  static constexpr int n = 16 / sizeof(T);
+};
+
+__device__ __forceinline__ void load16(const float* p, float (&f)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  f[0] = v.x;
+  f[1] = v.y;
+  f[2] = v.z;
+  f[3] = v.w;
+}
+__device__ __forceinline__ void load16(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+__device__ __forceinline__ void load16(const __half* p, float (&f)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __half22float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+template <typename T, int kG>
+__global__ void __launch_bounds__(kDecThreads)
+    decode_attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ key_cache,
+                            const T* __restrict__ value_cache, const int32_t* __restrict__ block_tables,
+                            const int32_t* __restrict__ cu_seqlens, const int32_t* __restrict__ seq_lens,
+                            int max_blocks, int hq, int hkv, int D, int bs, float scale, SplitKV split) {
+  constexpr int VE = Vec16<T>::n;
+  const int b = blockIdx.z, h = blockIdx.y, part = blockIdx.x;
+  const int q0 = cu_seqlens[b];
+  if (cu_seqlens[b + 1] == q0) return;  // no query token (uniform: before any barrier)
+  const int kv_len = seq_lens[b];
+  const int kv_lo = part * split.part_tokens;
+  if (kv_lo >= kv_len) return;
+  const int kv_hi = min(kv_len, kv_lo + split.part_tokens);
+  const bool whole = kv_len <= split.part_tokens;
+  const int G = hq / hkv;
+  const int TG = D / VE;               // threads per token row (a power of two, <= 32)
+  const int lanes = kDecThreads / TG;  // tokens per pass
+  const int tid = threadIdx.x;
+  const int sub = tid % TG, tl = tid / TG;
+
+  __shared__ float s_p[kG][kDecChunk];
+  __shared__ float s_m[kG], s_l[kG], s_corr[kG];
+  __shared__ float red[kDecThreads * VE * kG];  // [lanes][kG][D] at the end
+
+  float q[kG][VE];
+#pragma unroll
+  for (int g = 0; g < kG; ++g) {
+    if (g < G) {
+      load16(query + (size_t(q0) * hq + size_t(h) * G + g) * D + sub * VE, q[g]);
+#pragma unroll
+      for (int e = 0; e < VE; ++e) q[g][e] *= scale;
+    } else {
+#pragma unroll
+      for (int e = 0; e < VE; ++e) q[g][e] = 0.f;
+    }
+  }
+  float acc[kG][VE];
+#pragma unroll
+  for (int g = 0; g < kG; ++g)
+#pragma unroll
+    for (int e = 0; e < VE; ++e) acc[g][e] = 0.f;
+  if (tid < kG) {
+    s_m[tid] = -INFINITY;
+    s_l[tid] = 0.f;
+  }
+  const int32_t* table = block_tables + size_t(b) * max_blocks;
+  const int warp = tid >> 5, lane = tid & 31;
+
+  for (int c0 = kv_lo; c0 < kv_hi; c0 += kDecChunk) {
+    const int n = min(kDecChunk, kv_hi - c0);
+    // Scores: every lane runs the same number of passes (the shuffles need
+    // the whole warp); tokens past n score -inf.
+    for (int t = tl; t < kDecChunk; t += lanes) {
+      float k[VE];
+      const bool valid = t < n;
+      if (valid) {
+        const int tok = c0 + t;
+        const size_t row = (size_t(table[tok / bs]) * bs + tok % bs) * hkv + h;
+        load16(key_cache + row * D + sub * VE, k);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VE; ++e) k[e] = 0.f;
+      }
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < VE; ++e) d = fmaf(q[g][e], k[e], d);
+        for (int o = TG >> 1; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        if (sub == 0) s_p[g][t] = valid ? d : -INFINITY;
+      }
+    }
+    __syncthreads();
+    // Online softmax: warp w takes rows w, w + 4, ...; each lane reads and
+    // rewrites only its own columns.
+    for (int g = warp; g < kG; g += kDecThreads / 32) {
+      float mx = -INFINITY;
+      for (int t = lane; t < n; t += 32) mx = fmaxf(mx, s_p[g][t]);
+      mx = warp_max(mx);
+      const float m_old = s_m[g];
+      const float m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int t = lane; t < kDecChunk; t += 32) {
+        const float p = t < n ? __expf(s_p[g][t] - m_new) : 0.f;
+        s_p[g][t] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        const float corr = __expf(m_old - m_new);  // 0 on the first chunk
+        s_corr[g] = corr;
+        s_l[g] = s_l[g] * corr + sum;
+        s_m[g] = m_new;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      const float corr = s_corr[g];
+#pragma unroll
+      for (int e = 0; e < VE; ++e) acc[g][e] *= corr;
+    }
+    for (int t = tl; t < n; t += lanes) {
+      const int tok = c0 + t;
+      const size_t row = (size_t(table[tok / bs]) * bs + tok % bs) * hkv + h;
+      float v[VE];
+      load16(value_cache + row * D + sub * VE, v);
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        const float p = s_p[g][t];
+#pragma unroll
+        for (int e = 0; e < VE; ++e) acc[g][e] = fmaf(p, v[e], acc[g][e]);
+      }
+    }
+    __syncthreads();  // s_p and s_corr consumed before the next chunk
+  }
+#pragma unroll
+  for (int g = 0; g < kG; ++g)
+#pragma unroll
+    for (int e = 0; e < VE; ++e) red[(tl * kG + g) * D + sub * VE + e] = acc[g][e];
+  __syncthreads();
+  for (int i = tid; i < G * D; i += kDecThreads) {
+    const int g = i / D, d = i - g * D;
+    float o = 0.f;
+    for (int l = 0; l < lanes; ++l) o += red[(l * kG + g) * D + d];
+    const size_t hh = size_t(h) * G + g;
+    if (whole) {
+      const float l = s_l[g];
+      out[(size_t(q0) * hq + hh) * D + d] = from_f<T>(o * (l > 0.f ? 1.f / l : 0.f));
+    } else {
+      split.acc[((size_t(part) * split.num_tokens + q0) * hq + hh) * D + d] = o;
+    }
+  }
+  if (!whole && tid < G) {
+    const size_t pi = (size_t(part) * split.num_tokens + q0) * hq + size_t(h) * G + tid;
+    split.ml[2 * pi] = s_m[tid];
+    split.ml[2 * pi + 1] = s_l[tid];
+  }
+}
+
 // One block per (sequence, query head) of a split decode launch: the
 // partitions' partial results weighted by exp(max_s - max), summed,
 // normalised. A sequence's token sees KV [0, kv_len): partitions
@@ -165,6 +360,7 @@ __global__ void combine_splits_kernel(T* __restrict__ out, const int32_t* __rest
   const int t = cu_seqlens[b];
   if (cu_seqlens[b + 1] == t) return;
   const int parts = (seq_lens[b] + split.part_tokens - 1) / split.part_tokens;
+  if (split.direct && parts == 1) return;  // written by the decode kernel itself
   const size_t stride = size_t(split.num_tokens) * hq;
   const size_t base = size_t(t) * hq + hh;
   float mx = -INFINITY;
@@ -228,6 +424,75 @@ cudaError_t allow_smem() {
   return raised;
 }
 
+// Whether decode launches take decode_attention_kernel (CBSERVE_CUDA_DECODE_KERNEL=0
+// or cbserve_cuda_set_decode_kernel(0): never; the tests run both).
+int& decode_kernel_flag() {
+  static int on = [] {
+    const char* v = getenv("CBSERVE_CUDA_DECODE_KERNEL");
+    return v == nullptr || strcmp(v, "0") != 0 ? 1 : 0;
+  }();
+  return on;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <typename T, int kG>
+cudaError_t launch_decode_g(T* out, const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* cu,
+                            const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq, int64_t hkv, int64_t D,
+                            int64_t bs, float scale, int64_t parts, const SplitKV& split, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(parts), static_cast<unsigned>(hkv), static_cast<unsigned>(B));
+  decode_attention_kernel<T, kG><<<grid, kDecThreads, 0, stream>>>(out, q, kc, vc, bt, cu, sl, int(max_blocks), int(hq),
+                                                                   int(hkv), int(D), int(bs), scale, split);
+  return cudaGetLastError();
+}
+
+// The decode kernel when the shapes suit it: rows of 16-byte pieces, a
+// power-of-two number of them up to 32, a GQA group of at most 8, 16-byte
+// aligned query and caches. Returns cudaErrorNotSupported otherwise (the
+// caller falls back to paged_attention_kernel).
+template <typename T>
+cudaError_t launch_decode(void* out, const void* q, const void* kc, const void* vc, const int32_t* bt,
+                          const int32_t* cu, const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq, int64_t hkv,
+                          int64_t D, int64_t bs, float scale, float* workspace, int64_t num_tokens,
+                          cudaStream_t stream) {
+  constexpr int64_t VE = Vec16<T>::n;
+  const int64_t G = hq / hkv, TG = D / VE;
+  if (!decode_kernel_flag() || D % VE != 0 || TG > 32 || (TG & (TG - 1)) != 0 || G > 8 || !aligned16(q) ||
+      !aligned16(kc) || !aligned16(vc))
+    return cudaErrorNotSupported;
+  const int64_t max_tokens = max_blocks * bs;
+  int64_t part = max_tokens, parts = 1;
+  SplitKV split{};
+  if (workspace != nullptr) {
+    part = part_tokens_for(max_tokens);
+    parts = (max_tokens + part - 1) / part;
+    const int64_t per_part = num_tokens * hq;
+    split = SplitKV{workspace + 2 * parts * per_part, workspace, int(part), int(parts), int(num_tokens), 1};
+  } else {
+    split.part_tokens = int(max_tokens);
+    split.num_tokens = int(num_tokens);
+    split.direct = 1;
+  }
+  auto* o = static_cast<T*>(out);
+  const auto* qp = static_cast<const T*>(q);
+  const auto* kp = static_cast<const T*>(kc);
+  const auto* vp = static_cast<const T*>(vc);
+  cudaError_t err;
+  if (G <= 1) {
+    err = launch_decode_g<T, 1>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, parts, split, stream);
+  } else if (G <= 2) {
+    err = launch_decode_g<T, 2>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, parts, split, stream);
+  } else if (G <= 4) {
+    err = launch_decode_g<T, 4>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, parts, split, stream);
+  } else {
+    err = launch_decode_g<T, 8>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, parts, split, stream);
+  }
+  if (err != cudaSuccess || parts < 2) return err;
+  const dim3 cgrid(static_cast<unsigned>(B), static_cast<unsigned>(hq));
+  combine_splits_kernel<T><<<cgrid, 64, 0, stream>>>(o, cu, sl, int(hq), int(D), split);
+  return cudaGetLastError();
+}
+
 template <typename T>
 int launch_attention(void* out, const void* q, const void* kc, const void* vc, const int32_t* bt, const int32_t* cu,
                      const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq, int64_t hkv, int64_t D, int64_t bs,
@@ -241,6 +506,11 @@ int launch_attention(void* out, const void* q, const void* kc, const void* vc, c
   const auto* qp = static_cast<const T*>(q);
   const auto* kp = static_cast<const T*>(kc);
   const auto* vp = static_cast<const T*>(vc);
+  if (max_q_len == 1) {
+    const cudaError_t err = launch_decode<T>(out, q, kc, vc, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale,
+                                             workspace, num_tokens, stream);
+    if (err != cudaErrorNotSupported) return int(err);
+  }
   if (workspace == nullptr) {
     const cudaError_t raised = allow_smem<T, false>();
     if (raised != cudaSuccess) return int(raised);
@@ -323,5 +593,7 @@ extern "C" int64_t cbserve_paged_attention_workspace_floats(int64_t num_tokens, 
   if (parts < 2) return 0;
   return parts * num_tokens * hq * (head_dim + 2);
 }
+
+extern "C" void cbserve_cuda_set_decode_kernel(int on) { decode_kernel_flag() = on ? 1 : 0; }
 
 extern "C" const char* cbserve_cuda_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

@@ -28,6 +28,11 @@ int cbserve_paged_attention_cuda(int dtype, void* out, const void* query, const 
 int64_t cbserve_paged_attention_workspace_floats(int64_t num_tokens, int64_t hq, int64_t head_dim, int64_t max_blocks,
                                                  int64_t block_size, int64_t max_q_len);
 
+// Decode launches (max_q_len 1) take the decode kernel where the shapes
+// allow (on = 1, the default unless CBSERVE_CUDA_DECODE_KERNEL=0), else the
+// general one; per process, for tests and benchmarks.
+void cbserve_cuda_set_decode_kernel(int on);
+
 int cbserve_reshape_and_cache_cuda(int dtype, const void* key, const void* value, void* key_cache, void* value_cache,
                                    const int64_t* slot_mapping, int64_t num_tokens, int64_t row_elems, void* stream);
 
@@ -47,6 +52,14 @@ int cbserve_rotary_cache_cuda(int dtype, void* q_out, const void* qkv, const int
 
 // out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter].
 int cbserve_silu_and_mul_cuda(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter, void* stream);
+
+// Samples one token per row of logits [num_rows, vocab] (rows row_stride
+// elements apart) into out [num_rows] (int64), as executor/sampler.py does for
+// rows without logit processing; params [5, num_rows] float32: temperature
+// (<= 0: greedy), top_k (<= 0 or >= vocab: off), top_p (off outside (0, 1)),
+// min_p (<= 0: off), the uniform draw u in [0, 1). cuda_sampling.cu.
+int cbserve_sample_cuda(int dtype, const void* logits, int64_t row_stride, int64_t num_rows, int64_t vocab,
+                        const float* params, int64_t* out, void* stream);
 
 const char* cbserve_cuda_error_string(int err);
 

@@ -190,6 +190,37 @@ void paged_attention_graphed(at::Tensor& out, const at::Tensor& query, const at:
 #endif
 }
 
+void sample_tokens(at::Tensor& out, const at::Tensor& logits, const at::Tensor& params) {
+  check_cuda(out, "out", 1);
+  check_cuda(logits, "logits", 2, &out);
+  check_cuda(params, "params", 2, &out);
+  check_float(logits, "logits");
+  CB_TYPE(out.scalar_type() == at::kLong, "out must be int64, got ", out.scalar_type());
+  CB_TYPE(params.scalar_type() == at::kFloat, "params must be float32, got ", params.scalar_type());
+  const int64_t N = logits.size(0), V = logits.size(1);
+  CB_VALUE(out.size(0) == N, "out must have ", N, " entries, got ", out.size(0));
+  CB_VALUE(params.size(0) == 5 && params.size(1) == N, "params must be [5, ", N, "], got ",
+           cbserve_native::shape_str(params));
+  CB_VALUE(V > 0, "logits must have at least one column");
+#ifdef CBSERVE_WITH_CUDA
+  CB_CUDA_STREAM(out);
+  launched(cbserve_sample_cuda(dtype_of(logits), logits.data_ptr(), V, N, V, params.data_ptr<float>(),
+                               out.data_ptr<int64_t>(), stream),
+           "sample_tokens");
+#else
+  no_cuda();
+#endif
+}
+
+void set_cuda_decode_kernel(bool on) {
+#ifdef CBSERVE_WITH_CUDA
+  cbserve_cuda_set_decode_kernel(on ? 1 : 0);
+#else
+  (void)on;
+  no_cuda();
+#endif
+}
+
 }  // namespace
 
 void cbserve_native::register_gpu_ops(py::module_& m) {
@@ -201,4 +232,6 @@ void cbserve_native::register_gpu_ops(py::module_& m) {
   m.def("paged_attention_graphed", &paged_attention_graphed, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("max_q_len"));
+  m.def("sample_tokens", &sample_tokens, py::arg("out"), py::arg("logits"), py::arg("params"));
+  m.def("set_cuda_decode_kernel", &set_cuda_decode_kernel, py::arg("on"));
 }

@@ -35,7 +35,7 @@ def _nvcc():
 def test_cuda_sources_compile():
     r = subprocess.run(["make", "-s", "native-cuda-check"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    for obj in ("cuda_kernels.o", "cuda_layer_kernels.o"):
+    for obj in ("cuda_kernels.o", "cuda_layer_kernels.o", "cuda_sampling.o"):
         assert os.path.getsize(os.path.join(ROOT, "build", "native-cuda", obj)) > 0
 
 
@@ -171,10 +171,15 @@ def test_cuda_decode_split_over_the_kv_range_matches_reference(dtype, ctx_lens, 
     # Decode launches (every query length 0 or 1) split each sequence's KV
     # range into partitions and combine them; the checked op and the one the
     # CUDA graphs capture (no host checks) must give the reference.
+    batch = make_batch(q_lens, ctx_lens, hq=2 * group, hkv=2, d=64, block_size=16, dtype=dtype, device="cuda", seed=7)
+    _decode_matches_reference(batch, 64**-0.5, dtype)
+
+
+def _decode_matches_reference(batch, scale, dtype):
+    """The checked op and the one the CUDA graphs capture (no host checks),
+    as a decode launch, against the reference."""
     from native import _C
 
-    batch = make_batch(q_lens, ctx_lens, hq=2 * group, hkv=2, d=64, block_size=16, dtype=dtype, device="cuda", seed=7)
-    scale = 64**-0.5
     want = reference(batch, scale)
     out = torch.full_like(batch["query"], float("nan"))
     native.paged_attention(out, scale=scale, **batch)
@@ -189,9 +194,51 @@ def test_cuda_decode_split_over_the_kv_range_matches_reference(dtype, ctx_lens, 
         b["cu_seqlens_q"],
         b["seq_lens"],
         scale,
-        1,
+        1 if b["query"].shape[0] else 0,
     )
     torch.cuda.synchronize()
     for got in (out, graphed):
         assert not got.isnan().any()
-        assert (got.cpu().float() - want).abs().max().item() <= tolerance(dtype)
+        if got.numel():
+            assert (got.cpu().float() - want).abs().max().item() <= tolerance(dtype)
+
+
+@st.composite
+def decode_cases(draw):
+    block_size = draw(st.sampled_from([8, 16, 32]))
+    hkv = draw(st.integers(1, 3))
+    nseq = draw(st.integers(1, 5))
+    return dict(
+        q_lens=draw(st.lists(st.sampled_from([0, 1, 1, 1]), min_size=nseq, max_size=nseq)),
+        # across the decode kernel's 128-token chunks and the split's partitions
+        ctx_lens=draw(st.lists(st.integers(0, 700), min_size=nseq, max_size=nseq)),
+        hkv=hkv,
+        # groups above 8 and head dims of 80 take the general kernel
+        group=draw(st.sampled_from([1, 2, 3, 5, 8, 12])),
+        d=draw(st.sampled_from([64, 80, 128, 256])),
+        block_size=block_size,
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["decode-kernel", "general-kernel"])
+@settings(max_examples=30, deadline=None)
+@given(case=decode_cases())
+def test_cuda_decode_launches_match_reference_with_either_kernel(decode_kernel, case):
+    # Decode launches (every query length 0 or 1) take the decode kernel
+    # where its shapes allow, else the general one; both, checked and graphed
+    # op, must give the reference.
+    from native import _C
+
+    dtype, group = case.pop("dtype"), case.pop("group")
+    batch = make_batch(
+        case.pop("q_lens"), case.pop("ctx_lens"), hq=case["hkv"] * group, dtype=dtype, device="cuda", **case
+    )
+    _C.set_cuda_decode_kernel(decode_kernel)
+    try:
+        _decode_matches_reference(batch, case["d"] ** -0.5, dtype)
+    finally:
+        _C.set_cuda_decode_kernel(True)
