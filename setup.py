@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
 import subprocess
 
@@ -27,7 +28,10 @@ except ImportError as exc:  # pragma: no cover - torch is installed first by `ma
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("native", "csrc")
-LINK_FLAGS = ["-fopenmp"]
+# CBSERVE_LINK_ARGS: extra linker arguments, e.g. for a compiler that links
+# libstdc++ statically (see Build below): "-nodefaultlibs -l:libstdc++.so.6
+# -lm -lc -lgcc_s -lgcc" links the shared one whatever the driver adds.
+LINK_FLAGS = ["-fopenmp", *shlex.split(os.environ.get("CBSERVE_LINK_ARGS", ""))]
 
 
 def _want_cuda() -> bool:

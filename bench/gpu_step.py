@@ -12,6 +12,12 @@ the same weights:
 - `graphs`: the lean forward's decode steps replayed from CUDA graphs
   (executor/gpu/graphs.py), as `cbserve serve --device cuda` runs.
 
+Steps are greedy; the graphed executor is timed again with sampled requests
+(temperature 0.8, top-p 0.95, top-k 50, seeded), once sampling on the device
+(`sampled, device`) and once with the host sampler (`sampled, host`); and
+captured again with the general attention kernel in place of the decode
+kernel (`graphs, general attention`).
+
 Per executor and batch size: the step's wall time (plan in, tokens on the
 host; median of `--repeats`), and for `graphs` the GPU time of one replay
 alone (CUDA events); plus how many greedy tokens the three agree on.
@@ -29,6 +35,7 @@ import time
 import torch
 
 from bench.standalone import first_divergence, measure_runner
+from cbserve.v1 import executor_pb2 as pb
 from executor.model_loader import load_model
 from executor.model_source import resolve
 from executor.runner import ModelRunner, greedy_generate
@@ -47,6 +54,7 @@ SMOLLM2_SHAPE = dict(
 )
 MODES = ("transformers", "lean", "graphs")
 BLOCK_SIZE = 16
+SAMPLED = pb.SeqSampling(temperature=0.8, top_p=0.95, top_k=50, seed=1)
 
 
 def _runner(model, mode: str, num_blocks: int, max_batch: int) -> ModelRunner:
@@ -94,6 +102,53 @@ def _kernel_profile(runner: ModelRunner, batch: int, n: int = 20, top: int = 10)
     return rows[:top]
 
 
+def _timed(runner: ModelRunner, mode: str, batch: int, args: tuple, sampling=None) -> dict:
+    """One table row: the median step of `repeats` runs of `batch` sequences
+    (args: prompt_len, decode_tokens, repeats)."""
+    prompt_len, decode_tokens, repeats = args
+    steps = [
+        measure_runner(runner, batch, prompt_len, decode_tokens, sampling=sampling)["step_ms"] for _ in range(repeats)
+    ]
+    return {
+        "mode": mode,
+        "batch": batch,
+        "step_ms": round(statistics.median(steps), 3),
+        "step_ms_all": [round(s, 3) for s in steps],
+        "tok_s": round(batch * 1e3 / statistics.median(steps)),
+    }
+
+
+def _variants(runner: ModelRunner, batches: list[int], args: tuple) -> list:
+    """The graphed executor's step with sampled requests, sampling on the
+    device and with the host sampler."""
+    rows = []
+    for name, on_device in (("graphs, sampled, device", True), ("graphs, sampled, host", False)):
+        runner.device_sampling = on_device
+        for batch in batches:
+            rows.append(_timed(runner, name, batch, args, SAMPLED))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    runner.device_sampling = True
+    return rows
+
+
+def _general_attention(model, num_blocks: int, batches: list[int], args: tuple) -> list:
+    """The graphed executor with decode launches on the general attention
+    kernel (captured with it: a graph keeps the kernels of its capture)."""
+    from native import _C
+
+    _C.set_cuda_decode_kernel(False)
+    try:
+        runner = _runner(model, "graphs", num_blocks, max(batches))
+        rows = []
+        for batch in batches:
+            rows.append(_timed(runner, "graphs, general attention", batch, args))
+            rows[-1]["replay_gpu_ms"] = round(_replay_ms(runner, batch), 3)
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        return rows
+    finally:
+        _C.set_cuda_decode_kernel(True)
+
+
 def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int) -> dict:
     torch.manual_seed(0)
     spec = "tiny:" + json.dumps(SMOLLM2_SHAPE)
@@ -103,21 +158,14 @@ def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int) -
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "agreement": {}}
     prompts = [torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (prompt_len,)).tolist() for _ in range(8)]
     tokens: dict[str, list[list[int]]] = {}
+    args = (prompt_len, decode_tokens, repeats)
     for mode in MODES:
         t0 = time.perf_counter()
         runner = _runner(model, mode, num_blocks, max(batches))
         built = time.perf_counter() - t0
         tokens[mode] = greedy_generate(runner, prompts, 32)
         for batch in batches:
-            steps = [measure_runner(runner, batch, prompt_len, decode_tokens)["step_ms"] for _ in range(repeats)]
-            row = {
-                "mode": mode,
-                "batch": batch,
-                "step_ms": round(statistics.median(steps), 3),
-                "step_ms_all": [round(s, 3) for s in steps],
-                "tok_s": round(batch * 1e3 / statistics.median(steps)),
-                "start_s": round(built, 2),
-            }
+            row = {**_timed(runner, mode, batch, args), "start_s": round(built, 2)}
             if mode == "graphs":
                 row["replay_gpu_ms"] = round(_replay_ms(runner, batch), 3)
                 row["capture"] = runner.graph_capture
@@ -127,9 +175,12 @@ def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int) -
                     row["kernels"] = [{"kernel": f"profiler failed: {exc}"[:90], "us_per_step": 0, "calls_per_step": 0}]
             out["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+        if mode == "graphs":
+            out["rows"] += _variants(runner, batches, args)
         del runner
         gc.collect()
         torch.cuda.empty_cache()
+    out["rows"] += _general_attention(model, num_blocks, batches, args)
     for mode in MODES[1:]:
         div = first_divergence(tokens["transformers"], tokens[mode])
         out["agreement"][mode] = {"first_divergence": div, "identical": div == [32] * len(prompts)}

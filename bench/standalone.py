@@ -53,12 +53,21 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int]:
 
 
 def _prefill_plan(
-    step_id: int, seq_ids: range, prompt_len: int, blocks_per_seq: int, gen: torch.Generator, vocab: int
+    step_id: int,
+    seq_ids: range,
+    prompt_len: int,
+    blocks_per_seq: int,
+    gen: torch.Generator,
+    vocab: int,
+    sampling: pb.SeqSampling | None = None,
 ) -> pb.Plan:
     plan = pb.Plan(step_id=step_id)
     for sid in seq_ids:
         s = plan.seqs.add()
         s.seq_id = sid
+        if sampling is not None:
+            s.new.sampling.CopyFrom(sampling)
+            s.new.sampling.seed = sampling.seed + sid
         s.new.token_ids.extend(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist())
         s.num_tokens = prompt_len
         s.new_block_ids.extend(range(sid * blocks_per_seq, (sid + 1) * blocks_per_seq))
@@ -73,11 +82,13 @@ def measure_runner(
     seed: int = 0,
     prefill_seqs_per_step: int = 4,
     on_decode: Callable[[], None] | None = None,
+    sampling: pb.SeqSampling | None = None,
 ) -> dict:
     """Prefills `batch` random prompts, then times `decode_tokens` - 1 decode
     steps of the whole batch (the first sampled token comes from the prefill;
-    `on_decode` is called between the two). Returns tokens/s and the mean
-    step time."""
+    `on_decode` is called between the two). `sampling`: every sequence's
+    parameters (seed + its index; greedy when None). Returns tokens/s and the
+    mean step time."""
     vocab = int(runner.config.vocab_size)
     blocks_per_seq = -(-(prompt_len + decode_tokens) // runner.block_size)
     if batch * blocks_per_seq > runner.kv.num_blocks:
@@ -91,7 +102,7 @@ def measure_runner(
     for first in range(0, batch, prefill_seqs_per_step):
         step += 1
         ids = range(first, min(batch, first + prefill_seqs_per_step))
-        runner.step(_prefill_plan(step, ids, prompt_len, blocks_per_seq, gen, vocab))
+        runner.step(_prefill_plan(step, ids, prompt_len, blocks_per_seq, gen, vocab, sampling))
     if on_decode is not None:
         on_decode()
     decode = pb.Plan()

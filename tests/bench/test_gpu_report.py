@@ -64,3 +64,24 @@ def test_the_gpu_section_survives_a_suite_run(tmp_path):
     assert page.read_text().count("## On a GPU") == 1 and "2026-11-27" in page.read_text()
     render_report({"runs": []}, docs)
     assert "15.0x" in section(page.read_text(), "gpu") and page.read_text().startswith("# cbserve benchmarks")
+
+
+def test_the_report_names_a_second_run_and_a_baseline_it_did_not_run(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    results = _write(tmp_path)
+    step = json.loads((results / "gpu_step.json").read_text())
+    step["rows"] += [
+        _step_row("graphs, general attention", 64, 3.5),
+        _step_row("graphs, sampled, host", 64, 30.0),
+        _step_row("graphs, sampled, device", 64, 3.4),
+    ]
+    (results / "gpu_step.json").write_text(json.dumps(step))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "serve.json").write_text(json.dumps({"a": _serve_run("cbserve-fcfs", 128, 5000.0, 0.2)}))
+    text = gpu_report.render(results, docs, "2026-11-27", serve_dir=other)
+    assert "from two runs of `bench/gpu_check.sh`" in text and "from that run" not in text
+    assert "| 128 | 5,000 | not run | - | 3.7x | 20% |" in text
+    order = [text.index(f"| {m} |") for m in gpu_report.MODE_ORDER if f"| {m} |" in text]
+    assert len(order) == 5 and order == sorted(order)

@@ -1,0 +1,26 @@
+"""bench.gpu_step's timing rows, driven on the CPU with the built-in tiny
+model (the GPU-only parts, graphs and the kernel profile, need a GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from bench import gpu_step
+from executor.model_loader import load_model
+from executor.model_source import resolve
+from executor.runner import ModelRunner
+
+
+def test_sampled_rows_time_both_samplers_and_restore_the_device_sampler():
+    runner = ModelRunner(load_model(resolve("tiny"), torch.float32), gpu_step.BLOCK_SIZE, 64)
+    rows = gpu_step._variants(runner, [1, 3], (8, 5, 3))
+    assert [(r["mode"], r["batch"]) for r in rows] == [
+        ("graphs, sampled, device", 1),
+        ("graphs, sampled, device", 3),
+        ("graphs, sampled, host", 1),
+        ("graphs, sampled, host", 3),
+    ]
+    for r in rows:
+        assert len(r["step_ms_all"]) == 3 and r["step_ms"] in r["step_ms_all"] and r["step_ms"] > 0
+        assert abs(r["tok_s"] - r["batch"] * 1e3 / r["step_ms"]) <= 1  # step_ms is rounded to 1 us
+    assert runner.device_sampling is True
