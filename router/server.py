@@ -34,7 +34,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
     async def _refuse(self, context, code: grpc.StatusCode, message: str, engine: Engine | None = None):
         """Ends the RPC before admission; counted by status code."""
         refuse(engine or self.models.default, code, message)
-        await context.abort(code, message)
+        await _abort(context, (code, message))
 
     async def _engine(self, name: str, context) -> Engine:
         """The engine of the requested model; NOT_FOUND for a name not served."""
@@ -55,7 +55,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
             tenant = engine.auth.tenant_of_metadata(context.invocation_metadata())
             handles = await admit_all(engine, engine.cfg, pairs, context.time_remaining(), tenant)
         except RequestError as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, (exc.code, exc.message))
         req = handles[0].req
         # `siblings` named a group's id; a single request may have had one assigned.
         rid = request.request_id or req.request_id
@@ -97,6 +97,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
 
     # -- RPCs -----------------------------------------------------------------------
     async def Generate(self, request, context):
+        # A coroutine writing with context.write (not an async generator) so
+        # that a write failing because the client already left is caught here.
         rid, handles = await self._admit(request, context, "generate started")
         try:
             async for i, d in merged(handles):
@@ -107,9 +109,10 @@ class GenerationService(gpb_grpc.GenerationServicer):
                     req = handles[i].req
                     resp = self._response(rid, d, self._usage(req) if last else None, req.prompt_token_ids)
                     resp.index = i
-                    yield resp
+                    await _send(context, resp)
         finally:
             self._abort_unfinished(handles)
+        _stop_if_client_left(context)
 
     async def Complete(self, request, context):
         rid, handles = await self._admit(request, context, "complete started")
@@ -125,6 +128,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
         for i, (h, d) in enumerate(zip(handles, acc)):
             choices.append(self._response(rid, d, self._usage(h.req), h.req.prompt_token_ids))
             choices[-1].index = i
+        _stop_if_client_left(context)
         if len(choices) == 1:
             return choices[0]
         out = gpb.GenerateResponse()
@@ -164,20 +168,39 @@ class GenerationService(gpb_grpc.GenerationServicer):
         )
 
 
-async def _abort(context, error: tuple[grpc.StatusCode, str]) -> None:
-    """Ends the RPC with `error`, unless it already ended on the client's side
-    (its deadline passed or it cancelled at the same moment): sending a status
-    then fails inside gRPC (ExecuteBatchError), so the handler just stops."""
-    if context.done():
+# When the client's deadline passes or it cancels, gRPC's core ends the call
+# before the server's Python side hears of it; anything sent in that window
+# fails inside gRPC (ExecuteBatchError), which gRPC logs with a traceback when
+# the error escapes a handler. The helpers below stop the handler instead
+# (CancelledError, which gRPC takes quietly): the client is gone, nothing is lost.
+
+
+def _stop_if_client_left(context) -> None:
+    remaining = context.time_remaining()
+    if context.done() or (remaining is not None and remaining <= 0):
         raise asyncio.CancelledError()
+
+
+async def _quietly(context, send, *args) -> None:
+    _stop_if_client_left(context)
     try:
-        await context.abort(error[0], error[1])
+        await send(*args)
     except grpc.aio.AbortError:
         raise  # the normal way abort() ends a handler
     except Exception as exc:  # noqa: BLE001 - gRPC's internal error type is not public
         if type(exc).__name__ == "ExecuteBatchError":
             raise asyncio.CancelledError() from exc
         raise
+
+
+async def _send(context, message) -> None:
+    """Streams one message of the RPC (see above for a client that left)."""
+    await _quietly(context, context.write, message)
+
+
+async def _abort(context, error: tuple[grpc.StatusCode, str]) -> None:
+    """Ends the RPC with `error` (see above for a client that left)."""
+    await _quietly(context, context.abort, *error)
 
 
 def _client_gone(req):
