@@ -156,13 +156,14 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     # One text per call on the router's own threads: no rayon pool (with it
     # tokenizers also warns in every process `cbserve serve` forks later).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
     spec = (model or "smollm2").strip()
     if spec == "tiny" or spec.startswith("tiny:"):
-        hf = build_tiny_tokenizer()
-        vocab = 259
-    elif spec in DEFAULT_MODEL_SPECS:
+        return _from_hf(build_tiny_tokenizer(), 259)
+    # Imported only here: AutoTokenizer pulls in torch (seconds of CPU at
+    # start-up), which the tiny test model's byte tokenizer does without.
+    from transformers import AutoTokenizer
+
+    if spec in DEFAULT_MODEL_SPECS:
         converted = os.path.join(_cache_dir(), "smollm2-hf")
         if os.path.isfile(os.path.join(converted, "tokenizer.json")):
             hf = AutoTokenizer.from_pretrained(converted)
@@ -188,6 +189,10 @@ def load_tokenizer(model: str | None) -> Tokenizer:
         vocab = _config_vocab(spec) or len(hf)
     else:
         raise FileNotFoundError(f"model {spec!r} is neither 'smollm2', 'tiny' nor a local directory")
+    return _from_hf(hf, vocab)
+
+
+def _from_hf(hf, vocab: int) -> Tokenizer:
     eos = hf.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else []
     return Tokenizer(hf=hf, backend=hf.backend_tokenizer, eos_token_ids=eos_ids, vocab_size=max(vocab, len(hf)))

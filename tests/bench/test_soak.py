@@ -37,3 +37,15 @@ def test_a_two_minute_soak_loses_nothing(tmp_path):
     kinds = {k.split(":")[0] for k in result["outcomes"]}
     assert {"stream", "cancel", "deadline", "invalid", "oversized", "slow_reader"} <= kinds
     assert (tmp_path / "rss.png").stat().st_size > 0
+
+
+def test_growth_leaves_out_the_warm_up_but_not_a_leak():
+    from bench.soak import _growth
+
+    mb = 2**20
+    warm_then_flat = [110 * mb + i * mb for i in range(30)] + [140 * mb] * 90
+    assert abs(_growth(warm_then_flat)) < 0.01
+    leak = [110 * mb + i * mb // 2 for i in range(120)]  # 0.5 MB a second, steadily
+    assert _growth(leak) > 0.10
+    short = [100 * mb, 100 * mb, 120 * mb, 130 * mb]  # too short to drop a warm-up
+    assert _growth(short) == 130 / 100 - 1
