@@ -21,9 +21,16 @@ the numbers behind each choice are in docs/native.md, "Linear layers"):
   `avx512_linear` (VDPBF16PS dot products) over the same tile layout, for
   any number of rows; no oneDNN copy of the weights is kept.
 - Anything else bf16 with oneDNN: the prepacked kernel.
+- fp32 on CPUs without AVX512-BF16 (where `--dtype auto` serves fp32):
+  oneDNN's prepacked fp32 kernel, which runs these projections about twice
+  as fast as the MKL sgemm behind plain `F.linear` on an AVX2 AMD Zen 3
+  (docs/native.md). CPUs with AVX512-BF16 keep plain `F.linear` for fp32 (the
+  parity runs), and `CBSERVE_FP32_PREPACK=0` / `1` turns it off / on anywhere.
 """
 
 from __future__ import annotations
+
+import os
 
 import structlog
 import torch
@@ -66,6 +73,11 @@ def amx_ops():
 
 
 class PackedLinear(torch.nn.Module):
+    """`linear` over prepacked weights. An fp32 layer (oneDNN's kernel at
+    every row count) never reads the plain weight again and keeps only its
+    shape and dtype (a meta tensor), so the weights are not held twice (a
+    weight another module shares, a tied LM head's embedding, lives on there)."""
+
     def __init__(self, linear: torch.nn.Linear, batch_hint: int = 64) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -97,6 +109,9 @@ class PackedLinear(torch.nn.Module):
             self.packed = pack(w)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
+            if w.dtype == torch.float32:
+                del self.weight  # a plain attribute, not a parameter: out of state_dict and parameters()
+                self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
 
     @property
     def kernel(self) -> str:
@@ -148,6 +163,8 @@ class PackedLinear(torch.nn.Module):
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether bf16 runs natively here: the packed kernels, the fused
+    modules and the lean forward."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
@@ -156,11 +173,24 @@ def supported(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
+def fp32_prepacked() -> bool:
+    """Whether fp32 linears run oneDNN's prepacked kernel (see the module's
+    docstring): on CPUs without native bf16, unless CBSERVE_FP32_PREPACK says."""
+    switch = os.environ.get("CBSERVE_FP32_PREPACK", "").strip()
+    if switch in ("0", "1"):
+        return switch == "1" and torch.backends.mkldnn.is_available()
+    from executor.model_loader import cpu_has_native_bf16
+
+    return torch.backends.mkldnn.is_available() and not cpu_has_native_bf16()
+
+
 def prepack_linears(model: torch.nn.Module, batch_hint: int = 64) -> int:
-    """Replaces every nn.Linear of a bf16 CPU model by a PackedLinear; returns
-    how many were replaced (0 when unsupported)."""
+    """Replaces every nn.Linear of a bf16 CPU model (or an fp32 one where
+    `fp32_prepacked`) by a PackedLinear; returns how many were replaced (0
+    when unsupported)."""
     p = next(model.parameters())
-    if not supported(p.dtype, p.device):
+    fp32 = p.device.type == "cpu" and p.dtype == torch.float32 and fp32_prepacked()
+    if not (supported(p.dtype, p.device) or fp32):
         return 0
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
     kernels = set()

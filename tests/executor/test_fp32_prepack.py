@@ -1,0 +1,81 @@
+"""fp32 linears on oneDNN's prepacked kernel (CPUs without native bf16, or
+CBSERVE_FP32_PREPACK=1): the same outputs as F.linear within fp32 rounding,
+the same greedy tokens, and the plain weights not kept twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor import model_loader, model_source
+from executor.cpu import packed_linear
+from executor.cpu.packed_linear import PackedLinear, fp32_prepacked
+from executor.runner import ModelRunner
+from tests.executor.helpers import greedy, needs_bf16
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _tiny(monkeypatch, prepack: str) -> ModelRunner:
+    monkeypatch.setenv("CBSERVE_FP32_PREPACK", prepack)
+    return ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.float32), 16, 64)
+
+
+def test_the_default_follows_the_cpu_and_the_switch_overrides_it(monkeypatch):
+    monkeypatch.delenv("CBSERVE_FP32_PREPACK", raising=False)
+    onednn = torch.backends.mkldnn.is_available()
+    assert fp32_prepacked() == (onednn and not model_loader.cpu_has_native_bf16())
+    monkeypatch.setenv("CBSERVE_FP32_PREPACK", "0")
+    assert not fp32_prepacked()
+    monkeypatch.setenv("CBSERVE_FP32_PREPACK", "1")
+    assert fp32_prepacked() == onednn
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_prepacked_fp32_linear_computes_f_linear(bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200, bias=bias)
+    w, b = linear.weight.detach().clone(), None if linear.bias is None else linear.bias.detach().clone()
+    packed = PackedLinear(linear)
+    assert packed.kernel == "onednn"
+    # Only shape and dtype stay of the plain weight; it is no parameter.
+    assert packed.weight.device.type == "meta" and packed.weight.shape == (200, 96)
+    assert [n for n, _ in packed.named_parameters()] == []
+    for rows in (1, 3, 16, 64, 130):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 5, 96)  # the transformers forward's [B, T, H]
+    torch.testing.assert_close(packed(x3), torch.nn.functional.linear(x3, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16
+def test_a_bf16_linear_keeps_its_plain_weight():
+    linear = torch.nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert packed.weight is linear.weight
+
+
+@needs_onednn
+def test_the_runner_prepacks_fp32_and_gives_the_stock_tokens(monkeypatch):
+    prompts = [[(5 * i + 3 * L) % 250 + 3 for i in range(L)] for L in (1, 7, 33, 90)]
+    packed = _tiny(monkeypatch, "1")
+    stock = _tiny(monkeypatch, "0")
+    layer = packed.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, PackedLinear) and isinstance(layer.mlp.down_proj, PackedLinear)
+    assert isinstance(stock.model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+    # The tiny model ties its LM head to the embedding: the embedding keeps the weight.
+    assert packed.model.model.embed_tokens.weight.device.type == "cpu"
+    assert all(p.device.type == "cpu" for p in packed.model.parameters())
+    assert greedy(packed, prompts, 12) == greedy(stock, prompts, 12)
+
+
+@needs_onednn
+def test_prepacking_replaces_every_linear_and_logs_it(monkeypatch):
+    monkeypatch.setenv("CBSERVE_FP32_PREPACK", "1")
+    model = model_loader.load_model(model_source.resolve("tiny"), torch.float32)
+    n = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert packed_linear.prepack_linears(model) == n > 0
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    monkeypatch.setenv("CBSERVE_FP32_PREPACK", "0")
+    assert packed_linear.prepack_linears(model_loader.load_model(model_source.resolve("tiny"), torch.float32)) == 0
