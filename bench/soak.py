@@ -99,7 +99,8 @@ def _executor_pid(router_pid: int) -> int | None:
     return None
 
 
-WARM_UP_SAMPLES = 30  # one a second
+SAMPLE_EVERY_S = 1.0
+WARM_UP_SAMPLES = round(30 / SAMPLE_EVERY_S)
 
 
 def _growth(samples: list[int]) -> float:
@@ -159,7 +160,7 @@ async def run(minutes: float, rate: float, seed: int, out: Path) -> dict:
                     up = snap is not None and snap.values.get("cbserve_executor_up") == 1
                     if pid is not None and up:  # serving: its start-up (loading the model) is not growth
                         rss["executor"][-1].append(_rss(pid))
-                    next_sample = now + 1.0
+                    next_sample = now + SAMPLE_EVERY_S
                 kind = rng.choice(KINDS)
                 n = rng.randint(20, 40) if kind == "burst" and rng.random() < 0.05 else 1  # above capacity
                 for _ in range(n):
