@@ -10,9 +10,12 @@ Every request's outcome is recorded, and the router's and the executor's
 RSS every second. It fails (exit 1) if a request ends with a status outside
 the defined ones, if anything is running, waiting or holding KV blocks once
 traffic stops, or if the router's RSS (or the last executor's) grew more
-than 10 % between the first and the last quarter of its samples after the
-first 30 s (allocator arenas and caches fill while traffic ramps up; the
-router's ~110 MB start would read that as growth in a short run).
+than `--max-rss-growth` (10 %) between the first and the last quarter of its
+samples after the first 30 s (allocator arenas and caches fill while traffic
+ramps up; the router's ~110 MB start would read that as growth in a short
+run). A run of a few minutes has every executor restart inside that window,
+and the router's native heap settles over minutes, not seconds: such a run
+needs a looser bound (docs/operations.md, "Soak").
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def _growth(samples: list[int]) -> float:
     return last / first - 1.0
 
 
-async def run(minutes: float, rate: float, seed: int, out: Path) -> dict:
+async def run(minutes: float, rate: float, seed: int, out: Path, max_rss_growth: float = 0.10) -> dict:
     from bench.metrics_scrape import scrape
     from bench.server import CbserveServer
     from cbserve.v1 import generation_pb2 as gpb
@@ -217,8 +220,8 @@ async def run(minutes: float, rate: float, seed: int, out: Path) -> dict:
     if any(v for k, v in leftover.items() if v):
         problems.append(f"left behind once traffic stopped: {leftover}")
     for name in ("router_rss_growth", "executor_rss_growth"):
-        if result[name] is not None and result[name] > 0.10:
-            problems.append(f"{name} {result[name]:.1%} is above 10%")
+        if result[name] is not None and result[name] > max_rss_growth:
+            problems.append(f"{name} {result[name]:.1%} is above {max_rss_growth:.0%}")
     result["problems"] = problems
     out.write_text(json.dumps(result, indent=1))
     return result
@@ -255,10 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/soak.json")
     p.add_argument("--plot", default="", help="also write the RSS curve here (PNG)")
+    p.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=0.10,
+        help="fail above this RSS growth, first to last quarter after the warm-up (0.10 = 10 %%)",
+    )
     a = p.parse_args(argv)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(run(a.minutes, a.rate, a.seed, out))
+    result = asyncio.run(run(a.minutes, a.rate, a.seed, out, a.max_rss_growth))
     if a.plot:
         plot(result, Path(a.plot))
     sys.stdout.write(

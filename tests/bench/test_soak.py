@@ -24,6 +24,12 @@ def test_a_two_minute_soak_loses_nothing(tmp_path):
             str(out),
             "--plot",
             str(tmp_path / "rss.png"),
+            # Three executor restarts fall inside two minutes' measured
+            # window, and the router's native heap is still settling: 2-minute
+            # runs read 3-12 % with the Python heap flat (docs/operations.md).
+            # A steady leak of 0.5 MB/s reads 26 %.
+            "--max-rss-growth",
+            "0.2",
         ],
         cwd=REPO,
         capture_output=True,
@@ -46,6 +52,6 @@ def test_growth_leaves_out_the_warm_up_but_not_a_leak():
     warm_then_flat = [110 * mb + i * mb for i in range(30)] + [140 * mb] * 90
     assert abs(_growth(warm_then_flat)) < 0.01
     leak = [110 * mb + i * mb // 2 for i in range(120)]  # 0.5 MB a second, steadily
-    assert _growth(leak) > 0.10
+    assert _growth(leak) > 0.20  # caught by the 2-minute test's bound too
     short = [100 * mb, 100 * mb, 120 * mb, 130 * mb]  # too short to drop a warm-up
     assert _growth(short) == 130 / 100 - 1
