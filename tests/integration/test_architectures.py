@@ -1,14 +1,15 @@
 """Architectures beyond Llama through the whole server, against Hugging Face.
 
-Each test writes a tiny random checkpoint (no download) whose config makes
-its feature matter: sliding windows of 16 tokens with prompts several windows
+Each architecture gets a tiny random checkpoint (no download) whose config
+makes its feature matter: sliding windows of 16 tokens with prompts several windows
 long (Mistral, Qwen2, Gemma 2's alternating layers, Gemma 3), attention and
 final-logit soft caps small enough to bend the scores (Gemma 2), Granite's
 logits scaling and multipliers, Phi-3's longrope over chunked prompts, the
 q/k norms of Qwen3 and OLMo 2, and the experts of Mixtral and Qwen2-MoE (on
-the transformers forward). Greedy tokens in fp32 through `cbserve
-serve` (several concurrent prompts, a token budget that chunks the prefills)
-equal `generate(do_sample=False)`; logprobs equal the model's own
+the transformers forward). One `cbserve serve` serves them all (a `models:`
+entry and an executor each; requests name their model). Greedy tokens in
+fp32 through it (several concurrent prompts, a token budget that chunks the
+prefills) equal `generate(do_sample=False)`; logprobs equal the model's own
 log-softmax where the architecture post-processes its logits.
 """
 
@@ -25,20 +26,45 @@ from tests.small_configs import ARCHS
 NEW = 12
 
 
-def _checkpoint(tmp_path, name):
-    from transformers import AutoModelForCausalLM
-
+def _checkpoint(root, name):
+    """Writes `name`'s sharpened random checkpoint under `root`."""
     torch.manual_seed(0)
     model = ARCHS[name]()
     with torch.no_grad():  # random init is near-uniform: sharpen it so windows and caps change tokens
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
-    path = tmp_path / name
+    path = root / name
     model.save_pretrained(path)
     build_tiny_tokenizer().save_pretrained(path)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    return path, ref
+    return path
+
+
+def _reference(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Every architecture behind one router (`models:`, an executor each,
+    started side by side): one start-up instead of one per architecture.
+    Each model keeps its own scheduler and pool, so a test sees only its own."""
+    root = tmp_path_factory.mktemp("archs")
+    entries = [
+        {
+            "name": name,
+            "model": str(_checkpoint(root, name)),
+            "dtype": "float32",
+            "cache": {"num_blocks": 512, "block_size": 16},
+        }
+        for name in ARCHS
+    ]
+    config = {"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 8}, "models": entries}
+    server = start_server("tiny", config=config, extra_args=["--executor-threads", "1"], timeout=300)
+    yield server, root
+    server.stop()
 
 
 def _prompts():
@@ -64,8 +90,9 @@ def _hf_logprobs(model, prompt, tokens):
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_greedy_tokens_through_the_server_equal_hugging_face(tmp_path, name):
-    path, ref = _checkpoint(tmp_path, name)
+def test_greedy_tokens_through_the_server_equal_hugging_face(served, name):
+    server, root = served
+    ref = _reference(root / name)
     prompts = _prompts()
     want = [_hf(ref, p) for p in prompts]
     want_lp = _hf_logprobs(ref, prompts[0], want[0])
@@ -76,17 +103,11 @@ def test_greedy_tokens_through_the_server_equal_hugging_face(tmp_path, name):
             if getattr(layer.self_attn, "sliding_window", None):
                 layer.self_attn.sliding_window = 10**6
         assert [_hf(ref, p) for p in prompts] != want
-    server = start_server(
-        str(path), config={"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 8}}, dtype="float32"
-    )
-    try:
-        with server.channel() as ch:
-            s = stub(ch)
-            futures = [s.Complete.future(gen_request(p, max_new=NEW, logprobs=True)) for p in prompts]
-            results = [f.result(timeout=300) for f in futures]
-        wait_idle(server)
-    finally:
-        server.stop()
+    with server.channel() as ch:
+        s = stub(ch)
+        futures = [s.Complete.future(gen_request(p, max_new=NEW, logprobs=True, model=name)) for p in prompts]
+        results = [f.result(timeout=300) for f in futures]
+    wait_idle(server)
     assert [list(r.token_ids) for r in results] == want
     if name in ("granite", "gemma2"):  # logits scaled / soft-capped by the model: logprobs follow
         assert list(results[0].logprobs) == pytest.approx(want_lp, abs=2e-3)
