@@ -25,6 +25,21 @@ def one_seat_server():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def strict_server():
+    """Small input, salt and stream-buffer limits and nicer tokenizer threads,
+    for the tests below that each check one of them."""
+    server = start_server(
+        "tiny",
+        config={
+            "limits": {"max_input_chars": 1000, "max_cache_salt_chars": 16, "max_stream_buffer": 16},
+            "server": {"tokenizer_nice": 7},
+        },
+    )
+    yield server
+    server.stop()
+
+
 def _start_long(s, n=1):
     calls = [s.Generate(gen_request([5, 6, 7], max_new=1500)) for _ in range(n)]
     for c in calls[:1]:
@@ -100,34 +115,31 @@ def test_request_larger_than_the_kv_pool_is_refused():
         server.stop()
 
 
-def test_input_and_salt_limits_hold_for_generation_and_tokenize():
+def test_input_and_salt_limits_hold_for_generation_and_tokenize(strict_server):
     from cbserve.v1 import generation_pb2 as gpb
 
-    server = start_server("tiny", config={"limits": {"max_input_chars": 1000, "max_cache_salt_chars": 16}})
-    try:
-        with server.channel() as ch:
-            s = stub(ch)
-            too_long = [
-                gen_request(text="x" * 1001, max_new=1),
-                gen_request(
-                    max_new=1, messages=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="y" * 600)] * 2)
-                ),
-                gen_request([5, 6], max_new=1, cache_salt="s" * 17),
-            ]
-            for req, field in zip(too_long, ("text", "messages", "cache_salt")):
-                with pytest.raises(grpc.RpcError) as err:
-                    s.Complete(req, timeout=30)
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    server = strict_server
+    with server.channel() as ch:
+        s = stub(ch)
+        too_long = [
+            gen_request(text="x" * 1001, max_new=1),
+            gen_request(
+                max_new=1, messages=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="y" * 600)] * 2)
+            ),
+            gen_request([5, 6], max_new=1, cache_salt="s" * 17),
+        ]
+        for req, field in zip(too_long, ("text", "messages", "cache_salt")):
             with pytest.raises(grpc.RpcError) as err:
-                s.Tokenize(gpb.TokenizeRequest(text="x" * 1001), timeout=30)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
-            assert len(s.Complete(gen_request(text="x" * 1000, max_new=1), timeout=30).token_ids) == 1
-        wait_idle(server)
-    finally:
-        server.stop()
+                s.Complete(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            s.Tokenize(gpb.TokenizeRequest(text="x" * 1001), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
+        assert len(s.Complete(gen_request(text="x" * 1000, max_new=1), timeout=30).token_ids) == 1
+    wait_idle(server)
 
 
-def test_the_transport_refuses_what_the_input_limit_never_admits():
+def test_the_transport_refuses_what_the_input_limit_never_admits(strict_server):
     """The gRPC receive limit and the HTTP body limit derive from
     limits.max_input_chars: a prompt of max_input_chars 4-byte characters
     passes the transport, a message past the derived limit is refused by gRPC
@@ -138,33 +150,30 @@ def test_the_transport_refuses_what_the_input_limit_never_admits():
     from cbserve.v1 import generation_pb2 as gpb
     from router.config import REQUEST_HEADROOM_BYTES
 
-    server = start_server("tiny", config={"limits": {"max_input_chars": 1000}})
-    try:
-        with server.channel() as ch:
-            s = stub(ch)
-            # 1000 four-byte characters: 4000 bytes of UTF-8, valid.
-            assert len(s.Tokenize(gpb.TokenizeRequest(text="\U0001f600" * 1000), timeout=30).token_ids) == 4000
-            with pytest.raises(grpc.RpcError) as err:
-                s.Complete(gen_request(text="x" * REQUEST_HEADROOM_BYTES, max_new=1), timeout=30)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
-            with pytest.raises(grpc.RpcError) as err:
-                s.Complete(gen_request(text="x" * (REQUEST_HEADROOM_BYTES + 4001), max_new=1), timeout=30)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "larger than max" in err.value.details()
+    server = strict_server
+    with server.channel() as ch:
+        s = stub(ch)
+        # 1000 four-byte characters: 4000 bytes of UTF-8, valid.
+        assert len(s.Tokenize(gpb.TokenizeRequest(text="\U0001f600" * 1000), timeout=30).token_ids) == 4000
+        with pytest.raises(grpc.RpcError) as err:
+            s.Complete(gen_request(text="x" * REQUEST_HEADROOM_BYTES, max_new=1), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            s.Complete(gen_request(text="x" * (REQUEST_HEADROOM_BYTES + 4001), max_new=1), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in err.value.details()
 
-        model = httpx.get(f"{server.http_url}/models", timeout=10).json()["data"][0]["id"]
+    model = httpx.get(f"{server.http_url}/models", timeout=10).json()["data"][0]["id"]
 
-        def post(chars: int) -> httpx.Response:
-            body = {"model": model, "prompt": "x" * chars, "max_tokens": 1}
-            return httpx.post(f"{server.http_url}/completions", json=body, timeout=30)
+    def post(chars: int) -> httpx.Response:
+        body = {"model": model, "prompt": "x" * chars, "max_tokens": 1}
+        return httpx.post(f"{server.http_url}/completions", json=body, timeout=30)
 
-        under = post(REQUEST_HEADROOM_BYTES)
-        assert under.status_code == 400 and "longer than 1000" in under.json()["error"]["message"]
-        over = post(REQUEST_HEADROOM_BYTES + 6001)
-        assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
-        wait_idle(server)
-    finally:
-        server.stop()
+    under = post(REQUEST_HEADROOM_BYTES)
+    assert under.status_code == 400 and "longer than 1000" in under.json()["error"]["message"]
+    over = post(REQUEST_HEADROOM_BYTES + 6001)
+    assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
+    wait_idle(server)
 
 
 class _CountingProxy:
@@ -281,22 +290,19 @@ def test_large_tokenizations_run_beside_health_and_a_stream():
         server.stop()
 
 
-def test_tokenizer_threads_run_at_the_configured_niceness():
+def test_tokenizer_threads_run_at_the_configured_niceness(strict_server):
     """server.tokenizer_nice: the threads that tokenize run that much nicer
     than the router's event loop (Linux keeps a niceness per thread)."""
     import pathlib
 
     from cbserve.v1 import generation_pb2 as gpb
 
-    server = start_server("tiny", config={"server": {"tokenizer_nice": 7}})
-    try:
-        with server.channel() as ch:
-            assert len(stub(ch).Tokenize(gpb.TokenizeRequest(text="hello"), timeout=30).token_ids) == 5
-        tasks = pathlib.Path(f"/proc/{server.proc.pid}/task")
-        nice = {int(t.name): int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
-        assert nice[server.proc.pid] == 0 and 7 in nice.values()
-    finally:
-        server.stop()
+    server = strict_server
+    with server.channel() as ch:
+        assert len(stub(ch).Tokenize(gpb.TokenizeRequest(text="hello"), timeout=30).token_ids) == 5
+    tasks = pathlib.Path(f"/proc/{server.proc.pid}/task")
+    nice = {int(t.name): int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
+    assert nice[server.proc.pid] == 0 and 7 in nice.values()
 
 
 def test_queued_bytes_limit_refuses_what_would_exceed_it():
@@ -329,28 +335,26 @@ def test_queued_bytes_limit_refuses_what_would_exceed_it():
         server.stop()
 
 
-def test_a_client_that_stops_reading_is_cancelled_and_its_blocks_freed():
+def test_a_client_that_stops_reading_is_cancelled_and_its_blocks_freed(strict_server):
     # The client's HTTP/2 window is kept small (no BDP growth): once it is
     # full the server cannot write, and the router must not buffer the rest
     # of a 2,000-token stream.
-    server = start_server("tiny", config={"limits": {"max_stream_buffer": 16}})
-    try:
-        opts = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
-        with grpc.insecure_channel(server.address, options=opts) as ch:
-            it = stub(ch).Generate(gen_request([5, 6], max_new=2000))
-            next(it)
-            key = "cbserve_requests_total{finish_reason=CANCELLED,status=RESOURCE_EXHAUSTED}"
-            end = time.monotonic() + 60
-            while server.metrics().get(key, 0) < 1 and time.monotonic() < end:
-                time.sleep(0.2)
-            assert server.metrics().get(key, 0) == 1
-            with pytest.raises(grpc.RpcError) as err:
-                for _ in it:
-                    pass
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "did not read" in err.value.details()
-        wait_idle(server)
-    finally:
-        server.stop()
+    server = strict_server
+    key = "cbserve_requests_total{finish_reason=CANCELLED,status=RESOURCE_EXHAUSTED}"
+    before = server.metrics().get(key, 0)  # the server is shared: count this test's only
+    opts = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    with grpc.insecure_channel(server.address, options=opts) as ch:
+        it = stub(ch).Generate(gen_request([5, 6], max_new=2000))
+        next(it)
+        end = time.monotonic() + 60
+        while server.metrics().get(key, 0) < before + 1 and time.monotonic() < end:
+            time.sleep(0.2)
+        assert server.metrics().get(key, 0) == before + 1
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in it:
+                pass
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "did not read" in err.value.details()
+    wait_idle(server)
 
 
 def test_without_chunked_prefill_a_prompt_over_the_token_budget_is_refused_at_once():
