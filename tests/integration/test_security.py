@@ -265,18 +265,14 @@ def test_router_to_executor_over_mtls_admits_only_the_router(certs):
         server.stop()
 
 
-def test_colocated_executor_socket_is_private():
-    server = start_server("tiny")
-    try:
-        import psutil
+def test_colocated_executor_socket_is_private(tiny_server):
+    import psutil
 
-        cmd = psutil.Process(server.executor_pid()).cmdline()
-        listen = cmd[cmd.index("--listen") + 1]
-        path = listen.removeprefix("unix://")
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-        assert mode & 0o077 == 0, oct(mode)
-    finally:
-        server.stop()
+    cmd = psutil.Process(tiny_server.executor_pid()).cmdline()
+    listen = cmd[cmd.index("--listen") + 1]
+    path = listen.removeprefix("unix://")
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    assert mode & 0o077 == 0, oct(mode)
 
 
 def test_tenants_never_share_prefix_cache_blocks_and_are_counted_apart(tmp_path):

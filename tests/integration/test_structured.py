@@ -18,17 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cbserve.v1 import generation_pb2 as gpb
-from tests.conftest import start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
 
 PROMPT = [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = start_server("tiny")
-    yield s
-    s.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 def _complete(server, structured, seed=0, max_new=120, temperature=1.0, bias=None):

@@ -59,11 +59,9 @@ HERMES_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def api():
-    server = start_server("tiny")
-    client = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0)
-    yield server, client, client.models.list().data[0].id
-    server.stop()
+def api(tiny_server):
+    client = openai.OpenAI(base_url=tiny_server.http_url, api_key="unused", max_retries=0)
+    return tiny_server, client, client.models.list().data[0].id
 
 
 def _check_call(call, name=None):
