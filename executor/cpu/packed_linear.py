@@ -22,10 +22,13 @@ the numbers behind each choice are in docs/native.md, "Linear layers"):
   any number of rows; no oneDNN copy of the weights is kept.
 - Anything else bf16 with oneDNN: the prepacked kernel.
 - fp32 on CPUs without AVX512-BF16 (where `--dtype auto` serves fp32):
-  oneDNN's prepacked fp32 kernel, which runs these projections about twice
-  as fast as the MKL sgemm behind plain `F.linear` on an AVX2 AMD Zen 3
-  (docs/native.md). CPUs with AVX512-BF16 keep plain `F.linear` for fp32 (the
-  parity runs), and `CBSERVE_FP32_PREPACK=0` / `1` turns it off / on anywhere.
+  native `avx2_f32_linear` over weights packed into panels of 16 features,
+  for any number of rows; it streams the weights of a decode step faster than
+  oneDNN's prepacked fp32 kernel, which in turn ran these projections about
+  twice as fast as the MKL sgemm behind plain `F.linear` on an AVX2 AMD Zen 3
+  (docs/native.md). `CBSERVE_FP32_LINEAR=onednn` takes oneDNN's kernel
+  instead. CPUs with AVX512-BF16 keep plain `F.linear` for fp32 (the parity
+  runs), and `CBSERVE_FP32_PREPACK=0` / `1` turns packing off / on anywhere.
 """
 
 from __future__ import annotations
@@ -64,6 +67,17 @@ def avx512_ops():
     return fused.amx_pack_weight, fused.avx512_linear
 
 
+def avx2_f32_ops():
+    """(pack, linear) of native avx2_f32_linear for fp32 layers, or None where
+    the CPU has no AVX2 + FMA or CBSERVE_FP32_LINEAR=onednn asks for oneDNN."""
+    fused = _fused()
+    if fused is None or not fused.avx2_f32_linear_supported():
+        return None
+    if os.environ.get("CBSERVE_FP32_LINEAR", "").strip() == "onednn":
+        return None
+    return fused.avx2_f32_pack_weight, fused.avx2_f32_linear
+
+
 def amx_ops():
     """(pack, linear) of native amx_linear, or None where the CPU has no AMX-BF16."""
     fused = _fused()
@@ -73,8 +87,8 @@ def amx_ops():
 
 
 class PackedLinear(torch.nn.Module):
-    """`linear` over prepacked weights. An fp32 layer (oneDNN's kernel at
-    every row count) never reads the plain weight again and keeps only its
+    """`linear` over prepacked weights. An fp32 layer (one kernel at every
+    row count) never reads the plain weight again and keeps only its
     shape and dtype (a meta tensor), so the weights are not held twice (a
     weight another module shares, a tied LM head's embedding, lives on there)."""
 
@@ -91,6 +105,7 @@ class PackedLinear(torch.nn.Module):
         avx512 = avx512_ops() if plain_bf16 and amx is None else None
         self._amx = None
         self._avx512 = None
+        self._avx2_f32 = None
         self._amx_argmax = None
         self.packed_rows = None
         if amx is not None:
@@ -108,7 +123,12 @@ class PackedLinear(torch.nn.Module):
             pack, self._avx512 = avx512
             self.packed = pack(w)
         else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
+            avx2 = avx2_f32_ops() if w.dtype == torch.float32 else None
+            if avx2 is not None:
+                pack, self._avx2_f32 = avx2
+                self.packed = pack(w)
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
             if w.dtype == torch.float32:
                 del self.weight  # a plain attribute, not a parameter: out of state_dict and parameters()
                 self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
@@ -116,7 +136,7 @@ class PackedLinear(torch.nn.Module):
     @property
     def kernel(self) -> str:
         """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
-        blocks), "avx512" or "onednn"."""
+        blocks), "avx512", "avx2_f32" or "onednn"."""
         if self._amx is not None:
             from executor.cpu.gguf_weights import packed_kind
 
@@ -124,6 +144,8 @@ class PackedLinear(torch.nn.Module):
             return "amx" if kind is None else f"amx-{kind}"
         if self._avx512 is not None:
             return "avx512"
+        if self._avx2_f32 is not None:
+            return "avx2_f32"
         return "onednn"
 
     def kernel_for(self, rows: int) -> str:
@@ -134,6 +156,8 @@ class PackedLinear(torch.nn.Module):
             return "amx_linear" if rows <= AMX_MAX_ROWS else "F.linear"
         if self._avx512 is not None:
             return "avx512_linear"
+        if self._avx2_f32 is not None:
+            return "avx2_f32_linear"
         return "oneDNN prepacked"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,6 +173,8 @@ class PackedLinear(torch.nn.Module):
                 out = torch.nn.functional.linear(x2, self.weight, self.bias)
         elif self._avx512 is not None:
             out = self._avx512(x2.contiguous(), self.packed, self.out_features, self.bias)
+        elif self._avx2_f32 is not None:
+            out = self._avx2_f32(x2.contiguous(), self.packed, self.out_features, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return out if flat else out.reshape(*x.shape[:-1], self.out_features)

@@ -1,5 +1,5 @@
-"""fp32 linears on oneDNN's prepacked kernel (CPUs without native bf16, or
-CBSERVE_FP32_PREPACK=1): the same outputs as F.linear within fp32 rounding,
+"""fp32 linears on native avx2_f32_linear or oneDNN's prepacked kernel (CPUs
+without native bf16, or CBSERVE_FP32_PREPACK=1): the same outputs as F.linear within fp32 rounding,
 the same greedy tokens, and the plain weights not kept twice."""
 
 from __future__ import annotations
@@ -31,14 +31,22 @@ def test_the_default_follows_the_cpu_and_the_switch_overrides_it(monkeypatch):
     assert fp32_prepacked() == onednn
 
 
+needs_avx2_f32 = pytest.mark.skipif(
+    packed_linear._fused() is None or not packed_linear._fused().avx2_f32_linear_supported(),
+    reason="no AVX2 + FMA here",
+)
+
+
 @needs_onednn
+@pytest.mark.parametrize("kernel", ["onednn", pytest.param("avx2_f32", marks=needs_avx2_f32)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_prepacked_fp32_linear_computes_f_linear(bias):
+def test_a_prepacked_fp32_linear_computes_f_linear(monkeypatch, kernel, bias):
+    monkeypatch.setenv("CBSERVE_FP32_LINEAR", kernel)
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 200, bias=bias)
     w, b = linear.weight.detach().clone(), None if linear.bias is None else linear.bias.detach().clone()
     packed = PackedLinear(linear)
-    assert packed.kernel == "onednn"
+    assert packed.kernel == kernel
     # Only shape and dtype stay of the plain weight; it is no parameter.
     assert packed.weight.device.type == "meta" and packed.weight.shape == (200, 96)
     assert [n for n, _ in packed.named_parameters()] == []
@@ -57,12 +65,15 @@ def test_a_bf16_linear_keeps_its_plain_weight():
 
 
 @needs_onednn
-def test_the_runner_prepacks_fp32_and_gives_the_stock_tokens(monkeypatch):
+@pytest.mark.parametrize("kernel", ["onednn", pytest.param("avx2_f32", marks=needs_avx2_f32)])
+def test_the_runner_prepacks_fp32_and_gives_the_stock_tokens(monkeypatch, kernel):
+    monkeypatch.setenv("CBSERVE_FP32_LINEAR", kernel)
     prompts = [[(5 * i + 3 * L) % 250 + 3 for i in range(L)] for L in (1, 7, 33, 90)]
     packed = _tiny(monkeypatch, "1")
     stock = _tiny(monkeypatch, "0")
     layer = packed.model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, PackedLinear) and isinstance(layer.mlp.down_proj, PackedLinear)
+    assert layer.self_attn.q_proj.kernel == kernel
     assert isinstance(stock.model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
     # The tiny model ties its LM head to the embedding: the embedding keeps the weight.
     assert packed.model.model.embed_tokens.weight.device.type == "cpu"
@@ -79,3 +90,47 @@ def test_prepacking_replaces_every_linear_and_logs_it(monkeypatch):
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     monkeypatch.setenv("CBSERVE_FP32_PREPACK", "0")
     assert packed_linear.prepack_linears(model_loader.load_model(model_source.resolve("tiny"), torch.float32)) == 0
+
+
+@needs_avx2_f32
+def test_the_avx2_kernel_at_every_edge_of_its_panels():
+    """Feature counts around the 16-wide panels, K of 1 and odd, rows around
+    the 6-row register block, and no rows at all: F.linear's values (in fp64)
+    within fp32 rounding, and its arguments checked."""
+    fused = packed_linear._fused()
+    torch.manual_seed(1)
+    for n, k in ((1, 1), (15, 7), (16, 33), (17, 64), (200, 96), (49, 1536)):
+        w, b = torch.randn(n, k), torch.randn(n)
+        packed = fused.avx2_f32_pack_weight(w)
+        assert packed.shape == ((n + 15) // 16, k, 16)
+        for rows in (0, 1, 5, 6, 7, 12, 13, 64):
+            x = torch.randn(rows, k)
+            for bias in (None, b):
+                want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+                got = fused.avx2_f32_linear(x, packed, n, bias)
+                # fp32 sums of k products of unit normals: rounding grows with sqrt(k).
+                torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5 * k**0.5)
+    w = torch.randn(20, 8)
+    packed = fused.avx2_f32_pack_weight(w)
+    bad = [
+        (torch.randn(2, 9), packed, 20, None),  # K differs from the packing's
+        (torch.randn(2, 8), packed, 40, None),  # more features than packed
+        (torch.randn(2, 8).bfloat16(), packed, 20, None),
+        (torch.randn(8, 2).t(), packed, 20, None),  # not contiguous
+        (torch.randn(2, 8), packed, 20, torch.randn(19)),  # bias of the wrong length
+    ]
+    for args in bad:
+        with pytest.raises((RuntimeError, ValueError, TypeError)):
+            fused.avx2_f32_linear(*args)
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        fused.avx2_f32_pack_weight(torch.randn(4, 4).bfloat16())
+
+
+@needs_avx2_f32
+def test_fp32_layers_take_the_avx2_kernel_unless_told_otherwise(monkeypatch):
+    monkeypatch.setenv("CBSERVE_FP32_PREPACK", "1")
+    monkeypatch.delenv("CBSERVE_FP32_LINEAR", raising=False)
+    linear = torch.nn.Linear(64, 48)
+    assert PackedLinear(linear).kernel_for(1) == "avx2_f32_linear"
+    monkeypatch.setenv("CBSERVE_FP32_LINEAR", "onednn")
+    assert PackedLinear(linear).kernel_for(1) == "oneDNN prepacked"

@@ -1,6 +1,7 @@
 """CBSERVE_NATIVE_ISA caps the instruction set of both extensions: native._C's
 attention dispatch and native._fused's linear kernels (AMX off under
-`avx512`, the AVX512-BF16 kernels off under `avx2` / `generic`)."""
+`avx512`, the AVX512-BF16 kernels off under `avx2` / `generic`, the AVX2 fp32
+kernel off under `generic`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _runs(isa: str) -> bool:
 _PROBE = (
     "import json, native, native._fused as f; "
     "print(json.dumps({'isa': native.cpu_features()['isa'], "
-    "'amx': f.amx_linear_supported(), 'avx512_bf16': f.avx512_linear_supported()}))"
+    "'amx': f.amx_linear_supported(), 'avx512_bf16': f.avx512_linear_supported(), "
+    "'avx2_f32': f.avx2_f32_linear_supported()}))"
 )
 
 
@@ -44,6 +46,7 @@ def test_unset_both_extensions_take_what_the_cpu_offers():
     assert got["isa"] == native.cpu_features()["best_isa"]
     assert got["amx"] == fused.amx_linear_supported()
     assert got["avx512_bf16"] == fused.avx512_linear_supported()
+    assert got["avx2_f32"] == fused.avx2_f32_linear_supported()
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
@@ -51,7 +54,8 @@ def test_a_cap_below_avx512_turns_every_bf16_linear_kernel_off(isa):
     if not _runs(isa):
         pytest.skip(f"this CPU does not run {isa}")
     got = _probe(isa)
-    assert got == {"isa": isa, "amx": False, "avx512_bf16": False}
+    # The AVX2 fp32 kernel stays on under `avx2` (where the CPU has it), off under `generic`.
+    assert got == {"isa": isa, "amx": False, "avx512_bf16": False, "avx2_f32": isa == "avx2" and _runs("avx2")}
 
 
 def test_avx512_turns_amx_off_in_both_extensions():

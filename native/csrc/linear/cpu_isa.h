@@ -18,12 +18,14 @@ namespace cbserve_fused {
 
 // The highest instruction set the environment allows: CBSERVE_NATIVE_ISA
 // (generic | avx2 | avx512 | amx), the same variable native._C's dispatch
-// reads, so one setting forces both extensions down. 3 = no cap.
+// reads, so one setting forces both extensions down. -1 = generic (no vector
+// kernel), 0 = AVX2, 2 = AVX-512, 3 = no cap.
 inline int isa_cap() {
   static const int cap = [] {
     const char* env = std::getenv("CBSERVE_NATIVE_ISA");
     if (env == nullptr || *env == 0) return 3;
-    if (std::strcmp(env, "generic") == 0 || std::strcmp(env, "avx2") == 0) return 0;
+    if (std::strcmp(env, "generic") == 0) return -1;
+    if (std::strcmp(env, "avx2") == 0) return 0;
     if (std::strcmp(env, "avx512") == 0) return 2;
     return 3;
   }();

@@ -21,6 +21,7 @@
 #include "cpu_isa.h"
 #include "amx_linear.h"
 #include "amx_q4_rows.h"
+#include "avx2_f32_linear.h"
 #include "avx512_linear.h"
 
 namespace {
@@ -768,6 +769,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weights packed by "
         "amx_pack_gate_up; AVX512-BF16 CPUs (see avx512_linear_supported).");
   m.def("avx512_linear_supported", &cbserve_fused::avx512_linear_supported);
+  m.def("avx2_f32_pack_weight", &cbserve_fused::avx2_f32_pack_weight, py::arg("weight"),
+        "weight [N, K] fp32 -> the zero-padded panel layout avx2_f32_linear reads: [ceil(N/16), K, 16].");
+  m.def("avx2_f32_linear", &cbserve_fused::avx2_f32_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        "x [M, K] @ weight^T (+ bias) in fp32 with AVX2 FMA, weight packed by avx2_f32_pack_weight; "
+        "AVX2 + FMA CPUs (see avx2_f32_linear_supported).");
+  m.def("avx2_f32_linear_supported", &cbserve_fused::avx2_f32_linear_supported);
   m.def("amx_q4_rows_linear", &cbserve_fused::amx_q4_rows_linear, py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("silu_inter") = 0, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] @ weight^T in bf16, weight as Q4_1 blocks in the feature-major layout "

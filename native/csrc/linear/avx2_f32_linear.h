@@ -1,0 +1,21 @@
+// fp32 linear layer on AVX2 FMA over panels of 16 output features
+// (avx2_f32_linear.cpp), for CPUs without native bf16; bound in fused_ops.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace cbserve_fused {
+
+// Whether this CPU runs avx2_f32_linear (AVX2 and FMA).
+bool avx2_f32_linear_supported();
+
+// weight [N, K] fp32 -> the zero-padded panel layout avx2_f32_linear reads:
+// [ceil(N/16), K, 16].
+torch::Tensor avx2_f32_pack_weight(const torch::Tensor& weight);
+
+// y [M, N] = x [M, K] · weightᵀ (+ bias [N]), fp32, with `packed` from
+// avx2_f32_pack_weight (any K, any N).
+torch::Tensor avx2_f32_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                              const c10::optional<torch::Tensor>& bias);
+
+}  // namespace cbserve_fused
