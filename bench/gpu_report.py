@@ -21,6 +21,10 @@ from bench.report import splice_section
 # output throughput over HF static batching at caps 32 / 128 / 512.
 PUBLISHED_RATIO = {32: 2.0, 128: 3.7, 512: 9.5}
 STEP_TARGET_MS = {1: 1.5, 64: 3.0}
+# The whole server on the transformers path (an H100, 2026-11-22, before the
+# lean forward): the serve targets ask for 5x these.
+BEFORE_TOK_S = {32: 487, 128: 614, 512: 766}
+SERVE_SPEEDUP = 5.0
 CHECK = "bench/gpu_check.sh build test bench server serve"
 MODE_ORDER = (
     "transformers",
@@ -99,6 +103,28 @@ def serve_table(serve: dict) -> list[str]:
     return lines
 
 
+def serve_target_lines(serve: dict) -> list[str]:
+    runs = _serve(serve)
+    out = []
+    for cap in sorted({c for _, c in runs}):
+        cb, hf = runs.get(("cbserve-fcfs", cap)), runs.get(("hf-static", cap))
+        if not cb:
+            continue
+        tok_s = cb["summary"]["output_tokens_per_s"]
+        if cap in BEFORE_TOK_S:
+            x = tok_s / BEFORE_TOK_S[cap]
+            met = "met" if x >= SERVE_SPEEDUP else "not met"
+            out.append(
+                f"- cap {cap}: at least {SERVE_SPEEDUP:.0f}x the transformers path's {BEFORE_TOK_S[cap]} tok/s "
+                f"(H100, 2026-11-22): {tok_s:,.0f} tok/s, {x:.1f}x, {met}"
+            )
+        if hf and cap in PUBLISHED_RATIO:
+            x = tok_s / hf["summary"]["output_tokens_per_s"]
+            met = "met" if x >= PUBLISHED_RATIO[cap] else "not met"
+            out.append(f"- cap {cap}: at least vLLM's published {PUBLISHED_RATIO[cap]}x HF static: {x:.1f}x, {met}")
+    return out
+
+
 def kernel_lines(step: dict) -> list[str]:
     lines = []
     for r in step["rows"]:
@@ -115,18 +141,24 @@ def kernel_lines(step: dict) -> list[str]:
     return lines
 
 
-def render(results: Path, docs: Path, date: str, serve_dir: Path | None = None) -> str:
+def render(results: Path, docs: Path, date: str, serve_dir: Path | None = None, same_machine: bool = False) -> str:
     step = json.loads((results / "gpu_step.json").read_text())
     serve = json.loads(((serve_dir or results) / "serve.json").read_text())
     gpu = f"{step['gpu']}, torch {step['torch']}"
     capture = next((r["capture"] for r in step["rows"] if r.get("capture")), {})
     agree = step.get("agreement", {}).get("graphs", {})
-    provenance = (
-        f"from one run of `{CHECK}` on {date}, on an {gpu}; every number below comes from that run._"
-        if serve_dir is None
-        else f"on {date} from two runs of `bench/gpu_check.sh` on machines of one kind ({gpu}): the decode step "
-        "from one, the classic workload through the whole server from the other._"
-    )
+    if serve_dir is None:
+        provenance = f"from one run of `{CHECK}` on {date}, on an {gpu}; every number below comes from that run._"
+    elif same_machine:
+        provenance = (
+            f"on {date} from two runs of `bench/gpu_check.sh` one after the other on one machine ({gpu}): the "
+            "decode step from one, the classic workload through the whole server from the other._"
+        )
+    else:
+        provenance = (
+            f"on {date} from two runs of `bench/gpu_check.sh` on machines of one kind ({gpu}): the decode step "
+            "from one, the classic workload through the whole server from the other._"
+        )
     lines = [
         "# cbserve on a GPU",
         "",
@@ -169,6 +201,10 @@ def render(results: Path, docs: Path, date: str, serve_dir: Path | None = None) 
         "",
         *serve_table(serve),
         "",
+        "Targets:",
+        "",
+        *serve_target_lines(serve),
+        "",
         "## Reproduce",
         "",
         "On a machine with an NVIDIA GPU and a CUDA build of torch (carry the wheels it lacks in `.whl/`):",
@@ -200,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", default="docs")
     p.add_argument("--date", default=dt.date.today().isoformat())
     p.add_argument("--serve", default="", help="read serve.json from this directory (another run) instead")
+    p.add_argument("--same-machine", action="store_true", help="--serve's run was on the same machine, just before")
     a = p.parse_args(argv)
-    render(Path(a.results), Path(a.docs), a.date, Path(a.serve) if a.serve else None)
+    render(Path(a.results), Path(a.docs), a.date, Path(a.serve) if a.serve else None, a.same_machine)
     sys.stdout.write(f"wrote {a.docs}/benchmarks-gpu.md and its section of {a.docs}/benchmarks.md\n")
     return 0
 

@@ -51,6 +51,8 @@ def test_the_report_states_targets_ratios_and_the_router_share(tmp_path):
     assert "batch 1: at most 1.5 ms per step: 1.40 ms, met" in text
     assert "batch 64: at most 3.0 ms per step: 3.20 ms, not met" in text
     assert "| 32 | 3,000 | 200 | 15.0x | 2.0x | 10% |" in text
+    assert "- cap 32: at least vLLM's published 2.0x HF static: 15.0x, met" in text
+    assert "- cap 32: at least 5x the transformers path's 487 tok/s (H100, 2026-11-22): 3,000 tok/s, 6.2x, met" in text
     assert "| 500.0 | 30 | `paged_attention_kernel` |" in text
 
 
@@ -85,3 +87,6 @@ def test_the_report_names_a_second_run_and_a_baseline_it_did_not_run(tmp_path):
     assert "| 128 | 5,000 | not run | - | 3.7x | 20% |" in text
     order = [text.index(f"| {m} |") for m in gpu_report.MODE_ORDER if f"| {m} |" in text]
     assert len(order) == 5 and order == sorted(order)
+    same = gpu_report.render(results, docs, "2026-11-27", serve_dir=other, same_machine=True)
+    assert "one after the other on one machine" in same and "machines of one kind" not in same
+    assert "- cap 128: at least 5x the transformers path's 614 tok/s (H100, 2026-11-22): 5,000 tok/s, 8.1x, met" in same
