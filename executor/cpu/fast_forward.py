@@ -1,4 +1,4 @@
-"""A lean forward of the Llama-family decoder stack for the bf16 CPU executor.
+"""A lean forward of the Llama-family decoder stack for the CPU executor.
 
 The transformers layer code costs about 25 ATen/Python calls per layer
 (separate q/k/v projections, rotary embedding as element-wise ops, transposes,
@@ -19,7 +19,9 @@ sum rounded where the model's code rounds it), so its greedy output matches
 the transformers forward. With the 'torch' attention backend the rotated k
 and v go through that backend's reshape_and_cache instead (rope_split), so
 the reference backend stays a reference for the cache write too. Used only
-where `fuse_llama_blocks` applied (bf16 on AVX-512 bf16 CPUs) and the model
+where `fuse_llama_blocks` applied (bf16 on AVX-512 bf16 CPUs; fp32 where its
+projections run avx2_f32_linear, its passes then within a few ulp of
+torch's, the order of fp32 sums aside) and the model
 is one of LLAMA_LIKE. What each adds to Llama, and where it goes here:
 - q/k/v biases (Qwen2): folded into the fused projection's bias;
 - sliding windows per layer (Mistral, Qwen2, Phi-3, Gemma 2 / 3) and Gemma
@@ -61,7 +63,7 @@ import torch
 from executor.attention import AttnMetadata
 from executor.cpu.fused_modules import FusedExperts, FusedMLP, FusedRMSNorm
 from executor.cpu.gguf_weights import blocks_of
-from executor.cpu.packed_linear import PackedLinear
+from executor.cpu.packed_linear import PackedLinear, same_output
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -140,7 +142,7 @@ def _w32(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
     for w in (weight.float().contiguous(), (1.0 + weight.float()).contiguous()):
         out = torch.empty_like(x)
         fused.rms_norm_w32_(x, w, eps, out)
-        if torch.equal(out, want):
+        if same_output(out, want):
             return w, eps
     raise ValueError(f"{type(norm).__name__} is neither an fp32-weight nor a (1 + weight) RMSNorm")
 
@@ -154,7 +156,7 @@ def _fused_qkv(attn: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     has_bias = [p.bias is not None for p in projs]
     if any(has_bias) and not all(has_bias):
         raise ValueError("q/k/v projections disagree on bias")
-    w = torch.cat([p.weight.detach() for p in projs], 0)
+    w = torch.cat([p.plain_weight() if isinstance(p, PackedLinear) else p.weight.detach() for p in projs], 0)
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=all(has_bias), dtype=w.dtype)
     with torch.no_grad():
         lin.weight.copy_(w)

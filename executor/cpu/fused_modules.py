@@ -7,7 +7,8 @@ seven ATen ops; the gated MLP (SiLU, or Gemma's GELU-tanh; gate and up as two
 projections or Phi-3's one) computes gate and up with one prepacked matmul
 and act-and-mul in one native pass (on AMX CPUs, in the matmul's epilogue).
 Rounding points follow the Hugging Face modules. Used for bf16 on CPUs with
-AVX-512 bf16 only; fp32 keeps the stock modules (the parity tests run there).
+AVX-512 bf16, and for fp32 where its projections run `avx2_f32_linear`
+(`packed_linear.fp32_lean`); elsewhere fp32 keeps the stock modules.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import structlog
 import torch
 
 from executor.cpu import packed_linear
-from executor.cpu.packed_linear import PackedLinear, supported
+from executor.cpu.packed_linear import PackedLinear, fp32_lean, same_output, supported
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -217,12 +218,12 @@ def _weight(linear: torch.nn.Module) -> torch.Tensor:
 
 def fuse_llama_blocks(model: torch.nn.Module) -> int:
     """Swaps every decoder layer's norms and MLP; returns the layers changed.
-    A norm is swapped only where the native one computes exactly what it
-    does (Llama's rounding; not Gemma's 1 + weight, nor OLMo 2's fp32
-    weight product), an MLP only where it is down(act(gate) * up) with an
+    A norm is swapped only where the native one computes what it does
+    (`same_output`: Llama's rounding; not Gemma's 1 + weight, nor in bf16
+    OLMo 2's fp32 weight product), an MLP only where it is down(act(gate) * up) with an
     activation the native pass has (`mlp_activation`)."""
     p = next(model.parameters())
-    if not supported(p.dtype, p.device) or not _is_llama_like(model):
+    if not (supported(p.dtype, p.device) or fp32_lean(p.dtype, p.device)) or not _is_llama_like(model):
         return 0
     layers = model.model.layers
     for layer in layers:
@@ -265,7 +266,7 @@ def _fuse_moe(block: torch.nn.Module) -> None:
 
 
 def _fused_norm(norm: torch.nn.Module | None) -> FusedRMSNorm | None:
-    """The native RMSNorm in place of `norm`, where it gives exactly
+    """The native RMSNorm in place of `norm`, where it gives (`same_output`)
     `norm`'s output: tried on rows of several scales at swap time, so a norm
     of another formula or rounding keeps its own module (None)."""
     weight = getattr(norm, "weight", None)
@@ -276,7 +277,7 @@ def _fused_norm(norm: torch.nn.Module | None) -> FusedRMSNorm | None:
         x = (torch.randn(8, weight.shape[0], generator=g) * torch.logspace(-2, 2, 8).unsqueeze(1)).to(weight.dtype)
         fused = FusedRMSNorm(norm)
         with torch.no_grad():
-            return fused if torch.equal(fused(x), norm(x)) else None
+            return fused if same_output(fused(x), norm(x)) else None
     except (RuntimeError, TypeError):
         return None
 

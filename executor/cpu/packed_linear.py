@@ -29,6 +29,8 @@ the numbers behind each choice are in docs/native.md, "Linear layers"):
   (docs/native.md). `CBSERVE_FP32_LINEAR=onednn` takes oneDNN's kernel
   instead. CPUs with AVX512-BF16 keep plain `F.linear` for fp32 (the parity
   runs), and `CBSERVE_FP32_PREPACK=0` / `1` turns packing off / on anywhere.
+  Where fp32 runs `avx2_f32_linear`, it also runs the fused modules and the
+  lean forward (`fp32_lean`).
 """
 
 from __future__ import annotations
@@ -160,6 +162,17 @@ class PackedLinear(torch.nn.Module):
             return "avx2_f32_linear"
         return "oneDNN prepacked"
 
+    def plain_weight(self) -> torch.Tensor:
+        """The [out_features, in_features] weight: the model's tensor, or for
+        an fp32 layer that dropped it, a copy unpacked from the avx2_f32
+        panels (exact: packing only moves values)."""
+        if self.weight.device.type != "meta":
+            return self.weight.detach()
+        if self._avx2_f32 is None:
+            raise ValueError("the plain weight of a oneDNN-packed fp32 layer is gone")
+        panels = self.packed.shape[0]
+        return self.packed.permute(0, 2, 1).reshape(panels * self.packed.shape[2], -1)[: self.out_features].clone()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the lean forward's [T, H]: no reshapes on the per-step path
         x2 = x if flat else x.reshape(-1, x.shape[-1])
@@ -197,6 +210,27 @@ def supported(dtype: torch.dtype, device: torch.device) -> bool:
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
+
+
+def fp32_lean(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an fp32 model runs the fused modules and the lean forward as
+    bf16 does where bf16 is native: on CPUs where its linears run
+    `avx2_f32_linear` (`CBSERVE_FP32_LEAN=0` keeps the transformers layer code
+    around them). The native element-wise passes then differ from torch's in
+    the order of their fp32 sums only (a few ulp), as the projections do."""
+    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("CBSERVE_FP32_LEAN", "").strip() == "0":
+        return False
+    return fp32_prepacked() and avx2_f32_ops() is not None
+
+
+def same_output(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a native pass reproduces a module on probe rows: bit for bit in
+    bf16 / fp16, where the rounding points are the model's; in fp32 within a
+    few ulp (the order of the sums differs), far tighter than any other
+    formula would come."""
+    if got.dtype != torch.float32:
+        return torch.equal(got, want)
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=0.0)
 
 
 def fp32_prepacked() -> bool:

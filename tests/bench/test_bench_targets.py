@@ -10,6 +10,7 @@ from bench import standalone
 from bench.report import render_report
 from bench.roofline import param_count, step_bytes
 from bench.targets import alone_rows, attach_alone, evaluate, limits_text, phase_rows
+from executor.cpu.packed_linear import fp32_lean
 from executor.model_loader import load_model
 from executor.model_source import resolve
 from executor.runner import ModelRunner
@@ -379,7 +380,8 @@ def test_standalone_measure_adds_the_fp8_cache_step_and_its_greedy_agreement():
     out = standalone.measure((1, 4), prompt_len=20, decode_tokens=9, model="tiny", dtype="float32")
     f8 = out["kv_fp8"]
     assert f8["row"]["batch"] == 4 and f8["row"]["decode_steps"] == 8 and f8["row"]["decode_tok_s"] > 0
-    assert f8["phases"] is None  # fp32: no lean forward to profile
+    # fp32 has a lean forward to profile only where its linears run avx2_f32_linear.
+    assert (f8["phases"] is not None) == fp32_lean(torch.float32, torch.device("cpu"))
     n = len(standalone.AGREEMENT_PROMPTS)
     assert len(f8["first_divergence"]) == n and len(f8["reference_first_divergence"]) == n
     assert all(0 <= d <= standalone.AGREEMENT_TOKENS for d in f8["first_divergence"])

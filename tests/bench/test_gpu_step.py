@@ -22,5 +22,8 @@ def test_sampled_rows_time_both_samplers_and_restore_the_device_sampler():
     ]
     for r in rows:
         assert len(r["step_ms_all"]) == 3 and r["step_ms"] in r["step_ms_all"] and r["step_ms"] > 0
-        assert abs(r["tok_s"] - r["batch"] * 1e3 / r["step_ms"]) <= 1  # step_ms is rounded to 1 us
+        # tok_s comes from the unrounded median, step_ms is rounded to 1 us:
+        # at sub-millisecond steps that half microsecond moves the rate by more than 1.
+        slack = 0.5 + r["batch"] * 1e3 * 0.0005 / (r["step_ms"] - 0.0005) ** 2
+        assert abs(r["tok_s"] - r["batch"] * 1e3 / r["step_ms"]) <= slack
     assert runner.device_sampling is True

@@ -9,6 +9,7 @@ import torch
 
 from executor import model_loader, model_source
 from executor.cpu import packed_linear
+from executor.cpu.fused_modules import FusedMLP
 from executor.cpu.packed_linear import PackedLinear, fp32_prepacked
 from executor.runner import ModelRunner
 from tests.executor.helpers import greedy, needs_bf16
@@ -72,7 +73,10 @@ def test_the_runner_prepacks_fp32_and_gives_the_stock_tokens(monkeypatch, kernel
     packed = _tiny(monkeypatch, "1")
     stock = _tiny(monkeypatch, "0")
     layer = packed.model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, PackedLinear) and isinstance(layer.mlp.down_proj, PackedLinear)
+    # avx2_f32 also runs the fused modules and the lean forward (test_fp32_lean.py).
+    assert (packed.lean is not None) == isinstance(layer.mlp, FusedMLP) == (kernel == "avx2_f32")
+    down = layer.mlp.down if isinstance(layer.mlp, FusedMLP) else layer.mlp.down_proj
+    assert isinstance(layer.self_attn.q_proj, PackedLinear) and isinstance(down, PackedLinear)
     assert layer.self_attn.q_proj.kernel == kernel
     assert isinstance(stock.model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
     # The tiny model ties its LM head to the embedding: the embedding keeps the weight.

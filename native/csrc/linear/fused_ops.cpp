@@ -17,6 +17,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "../avx2_exp.h"
 #include "bf16_vec.h"
 #include "cpu_isa.h"
 #include "amx_linear.h"
@@ -342,6 +343,38 @@ void act_mul_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* gu, int64_t ro
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { act_mul_bf16_rows(out, gu, r0, r1, inter, act); });
 }
 
+// ---- fp32 on AVX2 + FMA (CPUs without native bf16, where fp32 is served) ----
+#define CB_AVX2_FMA __attribute__((target("avx2,fma")))
+
+// act(g) * u on 8 lanes, act as act_scalar computes it: g / (1 + exp(-g)),
+// or g / (1 + exp(-2a)) for GELU-tanh.
+CB_AVX2_FMA inline __m256 act_mul_f32x8(cbserve_fused::Act act, __m256 g, __m256 u) {
+  __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), g);
+  if (act == cbserve_fused::Act::kGeluTanh) {
+    const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(g, g), g), _mm256_set1_ps(0.044715f), g);
+    z = _mm256_mul_ps(inner, _mm256_set1_ps(-2.f * 0.7978845608028654f));
+  }
+  const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), cb_exp_avx2(z)));
+  return _mm256_mul_ps(s, u);
+}
+
+CB_AVX2_FMA void act_mul_f32_rows(float* out, const float* gu, int64_t r0, int64_t r1, int64_t inter,
+                                  cbserve_fused::Act act) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gu + r * 2 * inter;
+    const float* u = g + inter;
+    float* o = out + r * inter;
+    int64_t i = 0;
+    for (; i + 8 <= inter; i += 8)
+      _mm256_storeu_ps(o + i, act_mul_f32x8(act, _mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    for (; i < inter; ++i) o[i] = act_scalar(act, g[i]) * u[i];
+  }
+}
+
+void act_mul_f32_avx2(float* out, const float* gu, int64_t rows, int64_t inter, cbserve_fused::Act act) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { act_mul_f32_rows(out, gu, r0, r1, inter, act); });
+}
+
 CB_AVX512BF16 void add_rows_bf16(c10::BFloat16* res, const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t h) {
   for (int64_t r = r0; r < r1; ++r) {
     c10::BFloat16* rr = res + r * h;
@@ -540,6 +573,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::string& acti
 #if CB_FUSED_X86
   if (gate_up.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     act_mul_bf16_avx512(out.data_ptr<c10::BFloat16>(), gate_up.data_ptr<c10::BFloat16>(), rows, inter, act);
+    return out;
+  }
+  if (gate_up.scalar_type() == at::kFloat && cbserve_fused::avx2_f32_linear_supported()) {
+    act_mul_f32_avx2(out.data_ptr<float>(), gate_up.data_ptr<float>(), rows, inter, act);
     return out;
   }
 #endif
