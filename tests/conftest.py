@@ -110,7 +110,10 @@ def wait_serving(
     timeout: float,
     proc: subprocess.Popen | None = None,
     credentials: grpc.ChannelCredentials | None = None,
+    service: str = "",
 ) -> None:
+    """Until the server's health says SERVING: the whole server (`service`
+    ""), or one model of a `models:` list (its name)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     end = time.monotonic() + timeout
@@ -121,7 +124,7 @@ def wait_serving(
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
             try:
-                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
@@ -186,8 +189,12 @@ def start_server(
     os.close(log_fd)
     server = Server(proc, port, mport, log_path, cfg_path, credentials, hport)
     _SERVERS.append(server)
+    # The whole server serves once one model does; with `models:` every
+    # model's executor must be up before a test may use it.
+    names = [entry["name"] for entry in (config or {}).get("models", []) if "name" in entry]
     try:
-        wait_serving(server.address, timeout, proc, credentials)
+        for service in names or [""]:
+            wait_serving(server.address, timeout, proc, credentials, service)
     except Exception:
         server.stop(5)
         raise RuntimeError(f"server did not start:\n{server.log()[-4000:]}")
