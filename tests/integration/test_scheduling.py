@@ -351,7 +351,9 @@ def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
     # (static admits whatever waits when nothing runs) and start as one batch.
     out, t0 = start_streams(big, {"warmup": gen_request([45] * 16, max_new=150)})
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1)
-    batch = {f"b{i}": gen_request([50 + i] * 16, max_new=300, request_id=f"{tag}-b{i}") for i in range(2)}
+    # 1,000 steps: at ~1 ms a step the batch still has hundreds left however
+    # long the newcomer takes to arrive.
+    batch = {f"b{i}": gen_request([50 + i] * 16, max_new=1000, request_id=f"{tag}-b{i}") for i in range(2)}
     _, threads = start_streams(big, batch, out)
     wait_metric(big, lambda m: "warmup" in out and m["cbserve_num_requests_running"] == 2)
     _, t2 = start_streams(big, {"late": gen_request([60] * 16, max_new=80, request_id=f"{tag}-late")}, out)
@@ -366,7 +368,7 @@ def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
     late = done["late"]
     ran_s = late["e2e_s"] - late["queue_s"]
     if policy == "static":
-        # ~290 batch-of-2 steps left when it arrives against its own 80 steps.
+        # Hundreds of batch-of-2 steps left when it arrives against its own 80 steps.
         assert order[-1] == "late", f"static: the newcomer waits for the whole batch: {order}"
         assert late["queue_s"] > ran_s, late
     else:
