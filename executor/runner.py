@@ -137,7 +137,8 @@ class ModelRunner:
         if prepack:  # the blocks live on in the packed weights (and the lean forward's fused q|k|v)
             from executor.cpu import gguf_weights
 
-            gguf_weights.release(model)
+            for module in (model, *self._lean_modules()):
+                gguf_weights.release(module)
         if self.device.type == "cpu":  # what a decode step streams, on 2 MB pages (executor/cpu/huge_pages.py)
             from executor.cpu.huge_pages import module_tensors, move_to_huge_pages
 

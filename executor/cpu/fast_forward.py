@@ -168,6 +168,43 @@ def _fused_qkv(attn: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return PackedLinear(lin).forward
 
 
+class QkvPart(torch.nn.Module):
+    """q, k or v as columns of the lean forward's fused q|k|v projection.
+    Once the lean forward owns the fused copy, the model's own q_proj,
+    k_proj and v_proj would hold the same weights a second time (packed, and
+    in bf16 plain as well); they become these views. The transformers layer
+    code, which the runner does not call while a lean forward exists, still
+    runs through them (the fused matmul, then its columns)."""
+
+    def __init__(self, fused: PackedLinear, start: int, end: int) -> None:
+        super().__init__()
+        self._fused = (fused,)  # not a submodule: the lean forward owns it
+        self.start = start
+        self.end = end
+        self.in_features = fused.in_features
+        self.out_features = end - start
+
+    @property
+    def fused(self) -> PackedLinear:
+        return self._fused[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused[0](x)[..., self.start : self.end].contiguous()
+
+
+def _share_qkv(attn: torch.nn.Module, fused: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replaces attn's separate q/k/v projections by QkvPart views of the
+    fused one (a checkpoint's own qkv_proj has none)."""
+    module = getattr(fused, "__self__", None)
+    if hasattr(attn, "qkv_proj") or not isinstance(module, PackedLinear):
+        return
+    start = 0
+    for name in ("q_proj", "k_proj", "v_proj"):
+        width = getattr(attn, name).out_features
+        setattr(attn, name, QkvPart(module, start, start + width))
+        start += width
+
+
 class LeanLlamaForward:
     def __init__(self, model: torch.nn.Module) -> None:
         import native._fused as fused
@@ -455,5 +492,7 @@ def build(model: torch.nn.Module) -> LeanLlamaForward | None:
     except (ImportError, AttributeError, ValueError) as exc:
         _LOGGER.warning("lean forward unavailable; using the transformers forward", error=str(exc))
         return None
+    for layer, L in zip(layers, fwd.layers):
+        _share_qkv(layer.self_attn, L.qkv)
     _LOGGER.info("lean decoder forward", layers=len(fwd.layers))
     return fwd

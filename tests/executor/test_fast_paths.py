@@ -26,7 +26,9 @@ def test_modules_are_swapped_in_bf16_only():
     bf = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), 16, 64)
     layer = bf.model.model.layers[0]
     assert isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.mlp, FusedMLP)
-    assert isinstance(layer.self_attn.q_proj, PackedLinear) and isinstance(bf.model.lm_head, PackedLinear)
+    # The lean forward's fused q|k|v holds the attention weights; the model's
+    # q/k/v are its columns (QkvPart).
+    assert isinstance(layer.self_attn.q_proj.fused, PackedLinear) and isinstance(bf.model.lm_head, PackedLinear)
     f32 = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.float32), 16, 64)
     assert type(f32.model.model.layers[0].mlp).__name__ == "LlamaMLP"
 

@@ -11,8 +11,10 @@ import copy
 import pytest
 import torch
 
-from executor.cpu import packed_linear
+from executor.cpu import fast_forward, packed_linear
+from executor.cpu.fast_forward import QkvPart
 from executor.cpu.fused_modules import FusedMLP, FusedRMSNorm, _fused_norm
+from executor.cpu.huge_pages import module_tensors
 from executor.cpu.packed_linear import PackedLinear, fp32_lean, same_output
 from executor.runner import ModelRunner
 from tests.executor.helpers import greedy
@@ -116,6 +118,37 @@ def test_each_architecture_runs_the_fp32_lean_forward_with_the_transformers_toke
     assert greedy(lean, prompts, 12) == want
     prompt = prompts[-1]
     torch.testing.assert_close(_prompt_logprobs(lean, prompt), _prompt_logprobs(stock, prompt), rtol=0, atol=1e-4)
+    # The model's own q/k/v are columns of the fused projection now (held
+    # once), and the transformers layer code still runs through them.
+    if not hasattr(layer.self_attn, "qkv_proj"):
+        assert all(isinstance(getattr(layer.self_attn, n), QkvPart) for n in ("q_proj", "k_proj", "v_proj"))
+    lean.lean = None
+    assert greedy(lean, prompts, 12) == want
+
+
+def _held_bytes(runner: ModelRunner) -> int:
+    """Bytes of the distinct tensors the model and its lean forward hold."""
+    held = {}
+    for t in module_tensors([*runner.model.modules(), *runner.lean.modules()]):
+        if t.device.type != "meta":
+            held[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+    return sum(held.values())
+
+
+@needs_avx2_f32
+def test_the_lean_forward_holds_the_attention_projections_once(lean_env):
+    model = _llama_like("qwen2").float()  # q/k/v biases too
+    attns = [layer.self_attn for layer in model.model.layers]
+    qkv_bytes = sum(getattr(a, n).weight.numel() * 4 for a in attns for n in ("q_proj", "k_proj", "v_proj"))
+    shared = ModelRunner(copy.deepcopy(model), 16, 64)
+    lean_env.setattr(fast_forward, "_share_qkv", lambda attn, fused: None)
+    twice = ModelRunner(copy.deepcopy(model), 16, 64)
+    assert isinstance(twice.model.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert _held_bytes(twice) - _held_bytes(shared) >= qkv_bytes
+    part = shared.model.model.layers[0].self_attn.k_proj
+    x = torch.randn(5, part.in_features)
+    want = twice.model.model.layers[0].self_attn.k_proj(x)
+    torch.testing.assert_close(part(x), want, rtol=1e-5, atol=1e-6)
 
 
 @needs_avx2_f32

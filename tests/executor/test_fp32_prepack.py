@@ -76,8 +76,10 @@ def test_the_runner_prepacks_fp32_and_gives_the_stock_tokens(monkeypatch, kernel
     # avx2_f32 also runs the fused modules and the lean forward (test_fp32_lean.py).
     assert (packed.lean is not None) == isinstance(layer.mlp, FusedMLP) == (kernel == "avx2_f32")
     down = layer.mlp.down if isinstance(layer.mlp, FusedMLP) else layer.mlp.down_proj
-    assert isinstance(layer.self_attn.q_proj, PackedLinear) and isinstance(down, PackedLinear)
-    assert layer.self_attn.q_proj.kernel == kernel
+    # Under the lean forward q/k/v are columns of its fused projection (QkvPart).
+    q_proj = layer.self_attn.q_proj.fused if packed.lean is not None else layer.self_attn.q_proj
+    assert isinstance(q_proj, PackedLinear) and isinstance(down, PackedLinear)
+    assert q_proj.kernel == kernel and layer.self_attn.o_proj.kernel == kernel
     assert isinstance(stock.model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
     # The tiny model ties its LM head to the embedding: the embedding keeps the weight.
     assert packed.model.model.embed_tokens.weight.device.type == "cpu"

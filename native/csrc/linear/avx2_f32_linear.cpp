@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "cpu_isa.h"
+#include "linear_args.h"
 
 namespace cbserve_fused {
 
@@ -27,11 +28,7 @@ namespace {
 constexpr int64_t kPanel = 16;  // output features per panel (two vectors)
 constexpr int kMR = 6;          // rows of x per register block
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 #if CB_FUSED_X86
-#define CB_AVX2 __attribute__((target("avx2,fma")))
-
 struct Args {
   const float* x;     // [M, K]
   const float* w;     // panels
@@ -143,13 +140,7 @@ torch::Tensor avx2_f32_linear(const torch::Tensor& x, const torch::Tensor& packe
                   packed.size(1) == x.size(1) && packed.size(2) == kPanel,
               "packed must come from avx2_f32_pack_weight of a weight with x's K and ", out_features,
               " output features");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(
-        bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == out_features,
-        "bias must be a contiguous fp32 [N] tensor (N = output features)");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = f32_bias(bias, out_features);
   auto y = torch::empty({x.size(0), out_features}, x.options());
 #if CB_FUSED_X86
   if (x.size(0) == 0) return y;

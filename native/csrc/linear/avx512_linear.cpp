@@ -41,8 +41,6 @@ constexpr int64_t kTileElems = kBlockK * kBlockN;
 constexpr int kMR = 6;  // rows of x per register block
 constexpr int kNV = 4;  // feature blocks per register block
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 #if CB_FUSED_X86
 
 // The pair (x[2p], x[2p + 1]) as one 32-bit lane value.

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #define CB_FUSED_X86 1
 #define CB_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define CB_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define CB_FUSED_X86 0
 #endif

@@ -344,11 +344,10 @@ void act_mul_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* gu, int64_t ro
 }
 
 // ---- fp32 on AVX2 + FMA (CPUs without native bf16, where fp32 is served) ----
-#define CB_AVX2_FMA __attribute__((target("avx2,fma")))
 
 // act(g) * u on 8 lanes, act as act_scalar computes it: g / (1 + exp(-g)),
 // or g / (1 + exp(-2a)) for GELU-tanh.
-CB_AVX2_FMA inline __m256 act_mul_f32x8(cbserve_fused::Act act, __m256 g, __m256 u) {
+CB_AVX2 inline __m256 act_mul_f32x8(cbserve_fused::Act act, __m256 g, __m256 u) {
   __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), g);
   if (act == cbserve_fused::Act::kGeluTanh) {
     const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(g, g), g), _mm256_set1_ps(0.044715f), g);
@@ -358,8 +357,8 @@ CB_AVX2_FMA inline __m256 act_mul_f32x8(cbserve_fused::Act act, __m256 g, __m256
   return _mm256_mul_ps(s, u);
 }
 
-CB_AVX2_FMA void act_mul_f32_rows(float* out, const float* gu, int64_t r0, int64_t r1, int64_t inter,
-                                  cbserve_fused::Act act) {
+CB_AVX2 void act_mul_f32_rows(float* out, const float* gu, int64_t r0, int64_t r1, int64_t inter,
+                              cbserve_fused::Act act) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* g = gu + r * 2 * inter;
     const float* u = g + inter;

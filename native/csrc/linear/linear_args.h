@@ -1,5 +1,5 @@
 // Argument checks shared by the native linear layers (amx_linear.cpp,
-// avx512_linear.cpp).
+// avx512_linear.cpp, avx2_f32_linear.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -9,6 +9,8 @@
 
 namespace cbserve_fused {
 
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // The raw bf16 data of an optional bias of n_out features (nullptr without one).
 inline const uint16_t* bf16_bias(const c10::optional<torch::Tensor>& bias, int64_t n_out) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
@@ -16,6 +18,14 @@ inline const uint16_t* bf16_bias(const c10::optional<torch::Tensor>& bias, int64
       bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n_out,
       "bias must be a contiguous bf16 [N] tensor (N = output features)");
   return reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
+}
+
+// The fp32 data of an optional bias of n_out features (nullptr without one).
+inline const float* f32_bias(const c10::optional<torch::Tensor>& bias, int64_t n_out) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n_out,
+              "bias must be a contiguous fp32 [N] tensor (N = output features)");
+  return bias->data_ptr<float>();
 }
 
 // Checks that `packed` holds amx_pack_weight's (or amx_pack_gate_up's) bf16
