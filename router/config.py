@@ -435,3 +435,54 @@ def default_model_name(spec: str) -> str:
 def load_config(path: str | None) -> RouterConfig:
     """Loads and validates a router YAML file; None gives the defaults."""
     return config_from_dict(read_yaml(path)) if path else validate(RouterConfig())
+
+
+def apply_overrides(cfg: RouterConfig, args) -> None:
+    """Command-line flags win over the config file."""
+    if getattr(args, "port", None) is not None:
+        cfg.server.port = args.port
+    if getattr(args, "metrics_port", None) is not None:
+        cfg.server.metrics_port = args.metrics_port
+    if getattr(args, "http_port", None) is not None:
+        cfg.server.http_port = args.http_port
+    if getattr(args, "host", None):
+        cfg.server.host = args.host
+    if getattr(args, "executor_address", None):
+        if cfg.models:
+            raise ConfigError("--executor-address: with `models:` in the config, give each model's executor.address")
+        cfg.executor.address = args.executor_address
+        check_executor_transport(cfg.executor)
+
+
+@dataclass
+class ModelEntry:
+    """What one model runs with. `spec` is what its executor loads and where
+    the router's tokenizer comes from."""
+
+    name: str
+    spec: str
+    cfg: RouterConfig
+    # `cbserve serve` starts its executor (no executor.address of its own).
+    own_executor: bool = True
+    dtype: str = ""
+    device: str = ""
+    max_model_len: int = 0
+
+
+def model_entries(cfg: RouterConfig, spec: str) -> list[ModelEntry]:
+    """The models of a configuration: its `models:` list, or else the one
+    model of the command line (`--model`) under server.served_model_name."""
+    if not cfg.models:
+        return [ModelEntry(cfg.server.served_model_name or default_model_name(spec), spec, cfg)]
+    return [
+        ModelEntry(
+            m.name,
+            m.model,
+            model_config(cfg, m, f"models[{i}]"),
+            own_executor="address" not in m.executor,
+            dtype=m.dtype,
+            device=m.device,
+            max_model_len=m.max_model_len,
+        )
+        for i, m in enumerate(cfg.models)
+    ]

@@ -45,7 +45,9 @@ class ExecutorClient:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.enable_retries", 0),
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
+            # While an executor starts (seconds of imports) the channel retries
+            # at least every 250 ms: it connects soon after the executor listens.
+            ("grpc.max_reconnect_backoff_ms", 250),
         ]
         if self.cfg.tls_ca_file and not self.cfg.address.startswith("unix:"):
             with open(self.cfg.tls_ca_file, "rb") as fh:
@@ -74,18 +76,25 @@ class ExecutorClient:
         except grpc.aio.AioRpcError as exc:
             raise ExecutorUnavailable(f"Describe failed: {exc.code().name}: {exc.details()}") from exc
 
-    async def wait_ready(self, stop: asyncio.Event | None = None) -> pb.DescribeResponse:
-        """Describe with back-off until the executor answers."""
+    async def wait_ready(self, stop: asyncio.Event | None = None, timeout: float = 5.0) -> pb.DescribeResponse:
+        """Describe (each waiting up to `timeout` for the connection) with
+        back-off until the executor answers."""
         delay = self.cfg.reconnect_backoff_s
+        loop = asyncio.get_running_loop()
         while True:
+            began = loop.time()
             try:
-                return await self.describe()
+                return await self.describe(timeout)
             except ExecutorUnavailable as exc:
                 _LOGGER.info("waiting for executor", address=self.cfg.address, error=str(exc), retry_in=delay)
             if stop is not None and stop.is_set():
                 raise ExecutorUnavailable("stopping")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.cfg.reconnect_backoff_max_s)
+            # A Describe that waited out its deadline for the channel has
+            # waited already (the channel's own back-off paces its connection
+            # attempts); one that failed at once backs off before the next.
+            if loop.time() - began < timeout * 0.9:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.cfg.reconnect_backoff_max_s)
 
     async def step(self, plan: pb.Plan) -> pb.StepResult:
         """Runs one plan. Raises PlanRejected when the executor rejected it and

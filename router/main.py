@@ -12,11 +12,11 @@ from typing import Awaitable, Callable
 import structlog
 
 from common.logging_setup import configure_logging
-from router.config import ConfigError, RouterConfig, check_executor_transport, load_config
+from router.config import ConfigError, RouterConfig, apply_overrides, load_config, model_entries
 from router.engine import Engine
 from router.http_api import HttpServer
 from router.metrics import Metrics
-from router.models import Models, model_entries
+from router.models import Models
 from router.server import PublicServer
 from router.tokenizer import load_tokenizer
 from router.tracing import setup_tracing
@@ -130,20 +130,3 @@ def router_main(args) -> int:
                 "give each model its own executor"
             )
     return asyncio.run(run_router(cfg, args.model, args.config))
-
-
-def apply_overrides(cfg: RouterConfig, args) -> None:
-    """Command-line flags win over the config file."""
-    if getattr(args, "port", None) is not None:
-        cfg.server.port = args.port
-    if getattr(args, "metrics_port", None) is not None:
-        cfg.server.metrics_port = args.metrics_port
-    if getattr(args, "http_port", None) is not None:
-        cfg.server.http_port = args.http_port
-    if getattr(args, "host", None):
-        cfg.server.host = args.host
-    if getattr(args, "executor_address", None):
-        if cfg.models:
-            raise ConfigError("--executor-address: with `models:` in the config, give each model's executor.address")
-        cfg.executor.address = args.executor_address
-        check_executor_transport(cfg.executor)

@@ -6,48 +6,12 @@ requests of its own model."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
-from router.config import RouterConfig, default_model_name, model_config
 from router.engine import Engine
 from router.validation import RequestError
-
-
-@dataclass
-class ModelEntry:
-    """What one model runs with. `spec` is what its executor loads and where
-    the router's tokenizer comes from."""
-
-    name: str
-    spec: str
-    cfg: RouterConfig
-    # `cbserve serve` starts its executor (no executor.address of its own).
-    own_executor: bool = True
-    dtype: str = ""
-    device: str = ""
-    max_model_len: int = 0
-
-
-def model_entries(cfg: RouterConfig, spec: str) -> list[ModelEntry]:
-    """The models of a configuration: its `models:` list, or else the one
-    model of the command line (`--model`) under server.served_model_name."""
-    if not cfg.models:
-        return [ModelEntry(cfg.server.served_model_name or default_model_name(spec), spec, cfg)]
-    return [
-        ModelEntry(
-            m.name,
-            m.model,
-            model_config(cfg, m, f"models[{i}]"),
-            own_executor="address" not in m.executor,
-            dtype=m.dtype,
-            device=m.device,
-            max_model_len=m.max_model_len,
-        )
-        for i, m in enumerate(cfg.models)
-    ]
 
 
 class Models:

@@ -20,9 +20,7 @@ import structlog
 import yaml
 
 from common.logging_setup import configure_logging
-from router.config import load_config
-from router.main import apply_overrides, run_router
-from router.models import ModelEntry, model_entries
+from router.config import ModelEntry, apply_overrides, load_config, model_entries
 
 _LOGGER = structlog.get_logger(__name__)
 EXECUTOR_USAGE_ERROR = 2  # executor/main.py's USAGE_ERROR (the router does not import the executor)
@@ -181,6 +179,11 @@ async def _serve(args) -> int:
             executors[e.name] = ExecutorProcess(_executor_argv(args, e, i, path), on_refused=stop, name=e.name)
     for ex in executors.values():
         await ex.start()
+    # Imported once the executors are on their way (gRPC, HTTP, the engine:
+    # most of the router's import time), so their start-up, the longer one,
+    # begins first.
+    from router.main import run_router
+
     loop = asyncio.get_running_loop()
     watchers = [loop.create_task(ex.watch()) for ex in executors.values()]
 

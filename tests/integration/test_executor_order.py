@@ -20,6 +20,15 @@ from cbserve.v1 import executor_pb2_grpc as pb_grpc
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _small_cache(directory: str) -> str:
+    """A config whose KV pool is what these tests use (the default gigabyte
+    takes seconds to commit)."""
+    path = os.path.join(directory, "cache.yaml")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("cache:\n  num_blocks: 128\n  swap_space_bytes: 0\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def executor_stub():
     tmp = tempfile.mkdtemp(prefix="cbserve-order-")
@@ -37,6 +46,8 @@ def executor_stub():
             "cpu",
             "--listen",
             address,
+            "--config",
+            _small_cache(tmp),
         ],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -173,6 +184,35 @@ def test_reset_ends_an_open_step_stream_before_its_next_plan(executor_stub):
         plans.put(None)  # ends the request iterator
 
 
+def test_the_router_retries_a_describe_that_waited_out_its_deadline_at_once(executor_stub, tmp_path):
+    """An executor that starts listening after the router's first Describe
+    gave up is connected on the next one: a Describe that waited out its
+    deadline is not followed by the back-off sleep (here ten minutes), which
+    is for calls that fail at once."""
+    import asyncio
+
+    from router.config import ExecutorConfig
+    from router.executor_client import ExecutorClient
+
+    late = tmp_path / "late.sock"
+    client = ExecutorClient(
+        ExecutorConfig(address=f"unix://{late}", reconnect_backoff_s=600, reconnect_backoff_max_s=600)
+    )
+
+    async def scenario():
+        try:
+            ready = asyncio.ensure_future(client.wait_ready(timeout=0.5))
+            await asyncio.sleep(1.2)  # two Describes have waited out their deadline
+            assert not ready.done()
+            os.symlink(executor_stub._address.removeprefix("unix://"), late)  # the executor is there now
+            return await asyncio.wait_for(ready, 60)
+        finally:
+            await client.close()
+
+    described = asyncio.run(scenario())
+    assert described.model and described.num_blocks == 128
+
+
 @pytest.mark.parametrize("step_stream", [True, False])
 def test_router_client_pipelines_plans_and_recovers_from_a_rejected_one(executor_stub, step_stream):
     """The router's ExecutorClient on both transports: two plans in flight
@@ -274,10 +314,10 @@ def test_a_step_that_runs_too_long_turns_the_executors_health_not_serving(tmp_pa
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     address = f"unix://{tmp_path}/executor.sock"
-    big = '{"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16}'
+    big = '{"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8}'
     cmd = [sys.executable, "-m", "executor", "--model", f"tiny:{big}", "--dtype", "float32", "--device", "cpu"]
     proc = subprocess.Popen(
-        cmd + ["--listen", address, "--threads", "1", "--hang-timeout", "0.3"],
+        cmd + ["--listen", address, "--config", _small_cache(str(tmp_path)), "--threads", "1", "--hang-timeout", "0.3"],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
@@ -287,6 +327,7 @@ def test_a_step_that_runs_too_long_turns_the_executors_health_not_serving(tmp_pa
             stub = pb_grpc.ExecutorStub(ch)
             stub.Describe(pb.DescribeRequest(), timeout=180, wait_for_ready=True)
             health = health_pb2_grpc.HealthStub(ch)
+            # ~150 GFLOP on one thread: seconds, several times the hang timeout.
             blocks = list(range(0, 1600 // 16 + 1))
             t, box = _in_background(
                 lambda: stub.Step(pb.Plan(step_id=1, seqs=[_new_seq(1, [5] * 1600, blocks)]), timeout=120)
