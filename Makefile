@@ -115,12 +115,13 @@ bench-kernels: install
 # Compiles the CUDA twins of the native ops with nvcc for sm_80 and sm_90
 # (no GPU needed; output under build/, not committed). Running them needs a
 # GPU and a CUDA build of torch (then setup.py builds them into native._C).
+# nvcc builds the two targets of a file side by side (--threads 2).
 native-cuda-check:
 	@nvcc=$$(command -v nvcc || echo /usr/local/cuda/bin/nvcc); \
 	test -x "$$nvcc" || { echo "native-cuda-check: nvcc not found" >&2; exit 1; }; \
 	mkdir -p build/native-cuda && \
 	for cu in native/csrc/*.cu; do \
-	  ( set -x && "$$nvcc" -O3 -std=c++17 -Xcompiler -Wall \
+	  ( set -x && "$$nvcc" -O3 -std=c++17 --threads 2 -Xcompiler -Wall \
 	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	    -Inative/csrc -c $$cu -o build/native-cuda/$$(basename $$cu .cu).o ) || exit 1; \
 	done

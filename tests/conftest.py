@@ -117,7 +117,12 @@ def wait_serving(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     end = time.monotonic() + timeout
-    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    # Reconnects at least every 250 ms while the router starts listening.
+    opts = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)]
+    if credentials:
+        channel = grpc.secure_channel(address, credentials, options=opts)
+    else:
+        channel = grpc.insecure_channel(address, options=opts)
     with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < end:
@@ -129,7 +134,7 @@ def wait_serving(
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
     raise TimeoutError(f"{address} not SERVING after {timeout}s")
 
 
