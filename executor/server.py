@@ -41,6 +41,10 @@ class MainThreadWorker:
     (docs/operations.md, "Threads"), so gRPC handler threads hand their work
     over and wait."""
 
+    # How long the loop waits for a job before it looks at `stop` again; a
+    # stop that comes with wake() ends the wait at once.
+    poll_s = 0.5
+
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_since: float | None = None  # monotonic start of the job running now
@@ -53,6 +57,14 @@ class MainThreadWorker:
 
     def call(self, fn, *args):
         return self.submit(fn, *args).result()
+
+    def wake(self) -> None:
+        """Ends the loop's wait for a job now, so a `stop` just set is seen
+        (a cancelled job: it never runs). Safe in a signal handler
+        (SimpleQueue.put is reentrant)."""
+        fut: futures.Future = futures.Future()
+        fut.cancel()
+        self._jobs.put((fut, None, ()))
 
     def serve(self, stop: threading.Event) -> None:
         """The main thread's loop until `stop` is set; jobs still queued then
@@ -71,7 +83,7 @@ class MainThreadWorker:
     def _serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                fut, fn, args = self._jobs.get(timeout=0.5)
+                fut, fn, args = self._jobs.get(timeout=self.poll_s)
             except queue.Empty:
                 continue
             if not fut.set_running_or_notify_cancel():
@@ -385,6 +397,7 @@ def wait_forever(
     def _on_signal(signum, frame):
         _LOGGER.info("executor stopping", signal=signum)
         stop.set()
+        worker.wake()
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
