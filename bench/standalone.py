@@ -172,7 +172,7 @@ def phase_profile(
     Python between the calls; the timers' own ~1 us a call is left out that
     way). `untimed`: measure_runner's result for these same steps where the
     caller has one (else it is measured here). None where the runner has no
-    lean forward (neither bf16 on an AVX-512 bf16 CPU nor fp32 on
+    lean forward (neither bf16 with a fast path here nor fp32 on
     avx2_f32_linear, or an architecture outside it)."""
     fw = runner.lean
     if fw is None:

@@ -123,13 +123,13 @@ class ModelRunner:
         model.set_attn_implementation(attention.register())
         # Phi-3's longrope, its frequency set chosen per token (executor/rope.py).
         self.longrope = rope.install(model)
-        if prepack:  # bf16 on AVX-512 bf16 CPUs; a no-op elsewhere
+        if prepack:  # bf16 (native, or on AVX2) and fp32 on AVX2-only CPUs; a no-op elsewhere
             from executor.cpu.fused_modules import fuse_llama_blocks
             from executor.cpu.packed_linear import prepack_linears
 
             fuse_llama_blocks(model)
             prepack_linears(model)
-        # bf16 Llama on AVX-512 bf16: eight calls per layer instead of the
+        # A Llama-like model where the modules were fused: eight calls per layer instead of the
         # transformers layer code (executor/cpu/fast_forward.py); None elsewhere.
         self.lean = None
         if prepack and lean_forward:

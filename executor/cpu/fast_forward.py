@@ -19,7 +19,7 @@ sum rounded where the model's code rounds it), so its greedy output matches
 the transformers forward. With the 'torch' attention backend the rotated k
 and v go through that backend's reshape_and_cache instead (rope_split), so
 the reference backend stays a reference for the cache write too. Used only
-where `fuse_llama_blocks` applied (bf16 on AVX-512 bf16 CPUs; fp32 where its
+where `fuse_llama_blocks` applied (bf16 natively or on AVX2; fp32 where its
 projections run avx2_f32_linear, its passes then within a few ulp of
 torch's, the order of fp32 sums aside) and the model
 is one of LLAMA_LIKE. What each adds to Llama, and where it goes here:

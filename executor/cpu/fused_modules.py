@@ -6,9 +6,10 @@ layer code runs unchanged and calls `self.input_layernorm(x)` and
 seven ATen ops; the gated MLP (SiLU, or Gemma's GELU-tanh; gate and up as two
 projections or Phi-3's one) computes gate and up with one prepacked matmul
 and act-and-mul in one native pass (on AMX CPUs, in the matmul's epilogue).
-Rounding points follow the Hugging Face modules. Used for bf16 on CPUs with
-AVX-512 bf16, and for fp32 where its projections run `avx2_f32_linear`
-(`packed_linear.fp32_lean`); elsewhere fp32 keeps the stock modules.
+Rounding points follow the Hugging Face modules. Used for bf16 where
+`packed_linear.supported` (native bf16, or AVX2 over bf16 panels), and for
+fp32 where its projections run `avx2_f32_linear` (`packed_linear.fp32_lean`);
+elsewhere fp32 keeps the stock modules.
 """
 
 from __future__ import annotations

@@ -20,17 +20,21 @@ the numbers behind each choice are in docs/native.md, "Linear layers"):
 - Other AVX512-BF16 CPUs (AMD Zen 4, Intel Cooper Lake): native
   `avx512_linear` (VDPBF16PS dot products) over the same tile layout, for
   any number of rows; no oneDNN copy of the weights is kept.
-- Anything else bf16 with oneDNN: the prepacked kernel.
+- Any other bf16 layer: `avx2_f32_linear` over bf16 panels where AVX2 + FMA
+  run it (below), oneDNN's prepacked kernel otherwise.
 - fp32 on CPUs without AVX512-BF16 (where `--dtype auto` serves fp32):
   native `avx2_f32_linear` over weights packed into panels of 16 features,
   for any number of rows; it streams the weights of a decode step faster than
   oneDNN's prepacked fp32 kernel, which in turn ran these projections about
   twice as fast as the MKL sgemm behind plain `F.linear` on an AVX2 AMD Zen 3
-  (docs/native.md). `CBSERVE_FP32_LINEAR=onednn` takes oneDNN's kernel
-  instead. CPUs with AVX512-BF16 keep plain `F.linear` for fp32 (the parity
-  runs), and `CBSERVE_FP32_PREPACK=0` / `1` turns packing off / on anywhere.
-  Where fp32 runs `avx2_f32_linear`, it also runs the fused modules and the
-  lean forward (`fp32_lean`).
+  (docs/native.md). bf16 on those CPUs (`--dtype bfloat16`) runs the same
+  kernel over bf16 panels: fp32 sums, the output rounded once to bf16, the
+  weights held and streamed at half the bytes. `CBSERVE_FP32_LINEAR=onednn`
+  takes oneDNN's kernel instead for both. CPUs with AVX512-BF16 keep plain
+  `F.linear` for fp32 (the parity runs), and `CBSERVE_FP32_PREPACK=0` / `1`
+  turns fp32 packing off / on anywhere. Where fp32 or bf16 runs
+  `avx2_f32_linear`, it also runs the fused modules and the lean forward
+  (`fp32_lean`, `supported`).
 """
 
 from __future__ import annotations
@@ -89,10 +93,11 @@ def amx_ops():
 
 
 class PackedLinear(torch.nn.Module):
-    """`linear` over prepacked weights. An fp32 layer (one kernel at every
-    row count) never reads the plain weight again and keeps only its
-    shape and dtype (a meta tensor), so the weights are not held twice (a
-    weight another module shares, a tied LM head's embedding, lives on there)."""
+    """`linear` over prepacked weights. An fp32 layer, or a bf16 one on
+    `avx2_f32_linear` (one kernel at every row count), never reads the plain
+    weight again and keeps only its shape and dtype (a meta tensor), so the
+    weights are not held twice (a weight another module shares, a tied LM
+    head's embedding, lives on there)."""
 
     def __init__(self, linear: torch.nn.Linear, batch_hint: int = 64) -> None:
         super().__init__()
@@ -125,13 +130,13 @@ class PackedLinear(torch.nn.Module):
             pack, self._avx512 = avx512
             self.packed = pack(w)
         else:
-            avx2 = avx2_f32_ops() if w.dtype == torch.float32 else None
+            avx2 = avx2_f32_ops() if w.dtype in (torch.float32, torch.bfloat16) else None
             if avx2 is not None:
                 pack, self._avx2_f32 = avx2
                 self.packed = pack(w)
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
-            if w.dtype == torch.float32:
+            if w.dtype == torch.float32 or self._avx2_f32 is not None:
                 del self.weight  # a plain attribute, not a parameter: out of state_dict and parameters()
                 self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
 
@@ -164,8 +169,8 @@ class PackedLinear(torch.nn.Module):
 
     def plain_weight(self) -> torch.Tensor:
         """The [out_features, in_features] weight: the model's tensor, or for
-        an fp32 layer that dropped it, a copy unpacked from the avx2_f32
-        panels (exact: packing only moves values)."""
+        a layer that dropped it, a copy unpacked from the avx2_f32 panels
+        (exact: packing only moves values)."""
         if self.weight.device.type != "meta":
             return self.weight.detach()
         if self._avx2_f32 is None:
@@ -202,14 +207,28 @@ class PackedLinear(torch.nn.Module):
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether bf16 runs natively here: the packed kernels, the fused
-    modules and the lean forward."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """Whether bf16 runs the packed kernels, the fused modules and the lean
+    forward here: natively (oneDNN computes bf16), or on AVX2 CPUs without it
+    through `avx2_f32_linear` (bf16 weights and activations, fp32 sums; see
+    `avx2_bf16`)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    return native_bf16() or avx2_bf16()
+
+
+def native_bf16() -> bool:
+    """Whether oneDNN computes bf16 on this CPU (AVX-512 and later)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def avx2_bf16() -> bool:
+    """Whether bf16 layers run `avx2_f32_linear` on this CPU: one without
+    AVX512-BF16 (or with the native ISA capped below it) where AVX2 + FMA run
+    it, unless CBSERVE_FP32_LINEAR=onednn. Around it: act(gate) * up on 8
+    AVX2 lanes, norms and rotary in the native passes' portable loops (all
+    rounding as the model's code does), and the AVX2 attention kernels, which
+    read bf16 K/V."""
+    return avx512_ops() is None and amx_ops() is None and avx2_f32_ops() is not None
 
 
 def fp32_lean(dtype: torch.dtype, device: torch.device) -> bool:

@@ -8,9 +8,10 @@ import torch
 from executor.cpu.packed_linear import supported
 from executor.runner import greedy_generate as greedy  # noqa: F401
 
-# The bf16 fast paths (prepacked linears, the lean forward) run only here.
+# The bf16 fast paths (prepacked linears, the lean forward) run only here:
+# natively, or on AVX2 CPUs over avx2_f32_linear's bf16 panels.
 needs_bf16 = pytest.mark.skipif(
-    not supported(torch.bfloat16, torch.device("cpu")), reason="CPU lacks native bf16 (oneDNN)"
+    not supported(torch.bfloat16, torch.device("cpu")), reason="no bf16 fast path here (neither native bf16 nor AVX2)"
 )
 
 

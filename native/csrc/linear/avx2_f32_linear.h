@@ -1,5 +1,6 @@
-// fp32 linear layer on AVX2 FMA over panels of 16 output features
-// (avx2_f32_linear.cpp), for CPUs without native bf16; bound in fused_ops.cpp.
+// Linear layer in fp32 arithmetic on AVX2 FMA over panels of 16 output
+// features (avx2_f32_linear.cpp), for CPUs without native bf16: fp32 layers,
+// and bf16 layers stored in bf16 and computed in fp32; bound in fused_ops.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -9,12 +10,13 @@ namespace cbserve_fused {
 // Whether this CPU runs avx2_f32_linear (AVX2 and FMA).
 bool avx2_f32_linear_supported();
 
-// weight [N, K] fp32 -> the zero-padded panel layout avx2_f32_linear reads:
-// [ceil(N/16), K, 16].
+// weight [N, K] fp32 or bf16 -> the zero-padded panel layout avx2_f32_linear
+// reads, same dtype: [ceil(N/16), K, 16].
 torch::Tensor avx2_f32_pack_weight(const torch::Tensor& weight);
 
-// y [M, N] = x [M, K] · weightᵀ (+ bias [N]), fp32, with `packed` from
-// avx2_f32_pack_weight (any K, any N).
+// y [M, N] = x [M, K] · weightᵀ (+ bias [N]) with `packed` from
+// avx2_f32_pack_weight (any K, any N): x, packed, bias and y all fp32, or all
+// bf16 (fp32 sums, y rounded to nearest even once).
 torch::Tensor avx2_f32_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                               const c10::optional<torch::Tensor>& bias);
 

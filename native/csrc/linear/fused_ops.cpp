@@ -22,6 +22,7 @@
 #include "cpu_isa.h"
 #include "amx_linear.h"
 #include "amx_q4_rows.h"
+#include "avx2_bf16.h"
 #include "avx2_f32_linear.h"
 #include "avx512_linear.h"
 
@@ -117,17 +118,29 @@ inline float act_scalar(cbserve_fused::Act act, float g) {
   return g / (1.f + std::exp(-g));
 }
 
+// One row's act(gate) * up from feature i0 on, in the model dtype T:
+// act_fn(gate) rounded to T, then the product rounded to T.
+template <typename T>
+inline void act_mul_row(T* o, const T* g, const T* u, int64_t i0, int64_t inter, cbserve_fused::Act act) {
+  for (int64_t i = i0; i < inter; ++i) {
+    T s = static_cast<T>(act_scalar(act, static_cast<float>(g[i])));
+    o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
+  }
+}
+
+// The same over bf16 bits (the AVX2 pass's tail).
+inline void act_mul_rows_tail(uint16_t* o, const uint16_t* g, const uint16_t* u, int64_t i0, int64_t inter,
+                              cbserve_fused::Act act) {
+  act_mul_row(reinterpret_cast<c10::BFloat16*>(o), reinterpret_cast<const c10::BFloat16*>(g),
+              reinterpret_cast<const c10::BFloat16*>(u), i0, inter, act);
+}
+
 template <typename T>
 void act_mul_rows(T* out, const T* gu, int64_t rows, int64_t inter, cbserve_fused::Act act) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        T s = static_cast<T>(act_scalar(act, static_cast<float>(g[i])));  // act_fn(gate) in the model dtype
-        o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
-      }
+      act_mul_row(out + r * inter, g, g + inter, 0, inter, act);
     }
   });
 }
@@ -374,6 +387,32 @@ void act_mul_f32_avx2(float* out, const float* gu, int64_t rows, int64_t inter, 
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { act_mul_f32_rows(out, gu, r0, r1, inter, act); });
 }
 
+// bf16 where the CPU has no native bf16 (`--dtype bfloat16` on AVX2): the
+// activation rounded to bf16 before the product, as act_mul_rows rounds it.
+CB_AVX2 void act_mul_bf16_avx2_rows(uint16_t* out, const uint16_t* gu, int64_t r0, int64_t r1, int64_t inter,
+                                    cbserve_fused::Act act) {
+  using cbserve_fused::load_bf16x8;
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* g = gu + r * 2 * inter;
+    const uint16_t* u = g + inter;
+    uint16_t* o = out + r * inter;
+    int64_t i = 0;
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 s = cbserve_fused::round_bf16x8(act_mul_f32x8(act, load_bf16x8(g + i), one));
+      cbserve_fused::store_bf16x8(o + i, _mm256_mul_ps(s, load_bf16x8(u + i)));
+    }
+    act_mul_rows_tail(o, g, u, i, inter, act);
+  }
+}
+
+void act_mul_bf16_avx2(c10::BFloat16* out, const c10::BFloat16* gu, int64_t rows, int64_t inter,
+                       cbserve_fused::Act act) {
+  auto* o = reinterpret_cast<uint16_t*>(out);
+  const auto* g = reinterpret_cast<const uint16_t*>(gu);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { act_mul_bf16_avx2_rows(o, g, r0, r1, inter, act); });
+}
+
 CB_AVX512BF16 void add_rows_bf16(c10::BFloat16* res, const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t h) {
   for (int64_t r = r0; r < r1; ++r) {
     c10::BFloat16* rr = res + r * h;
@@ -576,6 +615,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::string& acti
   }
   if (gate_up.scalar_type() == at::kFloat && cbserve_fused::avx2_f32_linear_supported()) {
     act_mul_f32_avx2(out.data_ptr<float>(), gate_up.data_ptr<float>(), rows, inter, act);
+    return out;
+  }
+  if (gate_up.scalar_type() == at::kBFloat16 && cbserve_fused::avx2_f32_linear_supported()) {
+    act_mul_bf16_avx2(out.data_ptr<c10::BFloat16>(), gate_up.data_ptr<c10::BFloat16>(), rows, inter, act);
     return out;
   }
 #endif
@@ -806,10 +849,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "amx_pack_gate_up; AVX512-BF16 CPUs (see avx512_linear_supported).");
   m.def("avx512_linear_supported", &cbserve_fused::avx512_linear_supported);
   m.def("avx2_f32_pack_weight", &cbserve_fused::avx2_f32_pack_weight, py::arg("weight"),
-        "weight [N, K] fp32 -> the zero-padded panel layout avx2_f32_linear reads: [ceil(N/16), K, 16].");
+        "weight [N, K] fp32 or bf16 -> the zero-padded panel layout avx2_f32_linear reads (same dtype): "
+        "[ceil(N/16), K, 16].");
   m.def("avx2_f32_linear", &cbserve_fused::avx2_f32_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
-        "x [M, K] @ weight^T (+ bias) in fp32 with AVX2 FMA, weight packed by avx2_f32_pack_weight; "
+        "x [M, K] @ weight^T (+ bias) in fp32 arithmetic with AVX2 FMA, weight packed by avx2_f32_pack_weight; "
+        "all fp32, or all bf16 (y rounded once); "
         "AVX2 + FMA CPUs (see avx2_f32_linear_supported).");
   m.def("avx2_f32_linear_supported", &cbserve_fused::avx2_f32_linear_supported);
   m.def("amx_q4_rows_linear", &cbserve_fused::amx_q4_rows_linear, py::arg("x"), py::arg("packed"),
