@@ -17,6 +17,7 @@
 
 #include "avx2_exp.h"
 #include "half_utils.h"
+#include "kv_prefetch.h"
 
 namespace {
 
@@ -100,6 +101,127 @@ struct V {
     }
   }
 };
+
+// ------------------------------------------------- decode group kernels ---
+// The decode path's score and P.V loops (attn_body.h, CB_DEC_SCORES /
+// CB_DEC_PV) with their accumulators in registers: the portable ones chain
+// one token's dot product through a single accumulator and a horizontal sum,
+// and add each token's P.V into the output row in memory. fp32 rows of a
+// head_dim that is a multiple of 8 are read in place; other dtypes and head
+// dims are staged in fp32 in `tmp` first (its [D, DP) columns are zero).
+
+// Eight vectors -> one vector of their eight horizontal sums, in order.
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+// fp32 pointers to tokens [0, n)'s rows (n <= 16) and the columns to sweep:
+// in place for fp32 with D % 8 == 0 (the query and output rows are zero past
+// D), else staged in tmp [16, DP].
+static inline int64_t dec_rows(const char* base, const int64_t* offs, int64_t n, int dtype, int64_t D, float* tmp,
+                               KvPrefetch& pf, const float** rows) {
+  const int64_t es = cbserve_native::elem_size(dtype);
+  const int64_t DP = cbserve_native::round_up(D, cbserve_native::kPad);
+  const bool in_place = dtype == cbserve_native::kF32 && D % 8 == 0;
+  for (int64_t t = 0; t < n; ++t) {
+    pf.step();
+    if (in_place) {
+      rows[t] = reinterpret_cast<const float*>(base + offs[t] * es);
+    } else {
+      V::to_f32(base + offs[t] * es, dtype, tmp + t * DP, D);
+      rows[t] = tmp + t * DP;
+    }
+  }
+  return in_place ? D : DP;
+}
+
+// S[r*lds + t] = Q[r] . K_t for r < M, t < n <= 16: eight tokens at a time,
+// each with its own accumulator, reduced by one hsum8.
+static inline void dec_scores_avx2(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
+                                   int64_t n, int dtype, int64_t D, float* S, int64_t lds, float* tmp, KvPrefetch& pf,
+                                   bool qbf16) {
+  (void)qbf16;
+  const float* rows[16];
+  const int64_t cols = dec_rows(base, offs, n, dtype, D, tmp, pf, rows);
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const float* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = rows[t0 + i < n ? t0 + i : n - 1];  // lanes >= n are not stored
+    for (int64_t r = 0; r < M; ++r) {
+      const float* q = Q + r * ldq;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t d = 0; d < cols; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+      }
+      const __m256 sums = hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
+      if (n - t0 >= 8) {
+        _mm256_storeu_ps(S + r * lds + t0, sums);
+      } else {
+        alignas(32) float b[8];
+        _mm256_store_ps(b, sums);
+        for (int64_t i = 0; i < n - t0; ++i) S[r * lds + t0 + i] = b[i];
+      }
+    }
+  }
+}
+
+// a[0, 8 NV) += sum_{t < n} p[t] * rows[t][0, 8 NV), the NV accumulators in
+// registers; tokens of zero weight are skipped, as the portable loop skips
+// them (the sums' order is the same: token by token).
+template <int NV>
+static inline void pv_span(const float* p, int64_t n, const float* const* rows, int64_t d0, float* a) {
+  __m256 acc[NV];
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_loadu_ps(a + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    if (p[t] == 0.f) continue;
+    const __m256 pv = _mm256_set1_ps(p[t]);
+    const float* v = rows[t] + d0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(a + 8 * j, acc[j]);
+}
+
+// A[r*lda + d] += sum_t P[r*ldp + t] * V_t[d] for r < M, t < n: sixteen
+// tokens' V rows at a time, 64 output columns of a row per pass.
+static inline void dec_pv_avx2(const float* P, int64_t ldp, int64_t M, const char* base, const int64_t* offs, int64_t n,
+                               int dtype, int64_t D, float* A, int64_t lda, float* tmp, KvPrefetch& pf) {
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t tn = n - t0 < 16 ? n - t0 : 16;
+    const float* rows[16];
+    const int64_t cols = dec_rows(base, offs + t0, tn, dtype, D, tmp, pf, rows);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* pr = P + r * ldp + t0;
+      float* a = A + r * lda;
+      for (int64_t d0 = 0; d0 < cols; d0 += 64) {
+        switch ((cols - d0) / 8 < 8 ? (cols - d0) / 8 : 8) {
+          case 1: pv_span<1>(pr, tn, rows, d0, a + d0); break;
+          case 2: pv_span<2>(pr, tn, rows, d0, a + d0); break;
+          case 3: pv_span<3>(pr, tn, rows, d0, a + d0); break;
+          case 4: pv_span<4>(pr, tn, rows, d0, a + d0); break;
+          case 5: pv_span<5>(pr, tn, rows, d0, a + d0); break;
+          case 6: pv_span<6>(pr, tn, rows, d0, a + d0); break;
+          case 7: pv_span<7>(pr, tn, rows, d0, a + d0); break;
+          default: pv_span<8>(pr, tn, rows, d0, a + d0); break;
+        }
+      }
+    }
+  }
+}
+
+#define CB_DEC_SCORES dec_scores_avx2
+#define CB_DEC_PV dec_pv_avx2
 
 }  // namespace
 

@@ -144,6 +144,16 @@ def test_decode_head_dims_33_to_64(isa, dtype, d, hq, hkv):
     check(dict(q_lens=q_lens, ctx_lens=ctx_lens, hq=hq, hkv=hkv, d=d, block_size=16, dtype=dtype, seed=d + hq))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [36, 72, 200])
+@pytest.mark.parametrize("hq,hkv", [(3, 1), (9, 3)])
+def test_decode_head_dims_off_the_vector_width_and_past_one_pass(isa, dtype, d, hq, hkv):
+    """Decode head dims that are not a multiple of 8 (the AVX2 kernels stage
+    even fp32 rows then) and that take more than one 64-column P.V pass:
+    the reference result."""
+    check(dict(q_lens=[1, 1, 2], ctx_lens=[0, 40, 300], hq=hq, hkv=hkv, d=d, block_size=16, dtype=dtype, seed=d + hq))
+
+
 def test_whole_row_and_per_head_items_agree_bitwise(isa):
     """Six decode sequences: whole-row items at one thread (at least a
     sequence per thread), per-KV-head items at eight threads (fewer sequences
