@@ -128,13 +128,6 @@ inline void act_mul_row(T* o, const T* g, const T* u, int64_t i0, int64_t inter,
   }
 }
 
-// The same over bf16 bits (the AVX2 pass's tail).
-inline void act_mul_rows_tail(uint16_t* o, const uint16_t* g, const uint16_t* u, int64_t i0, int64_t inter,
-                              cbserve_fused::Act act) {
-  act_mul_row(reinterpret_cast<c10::BFloat16*>(o), reinterpret_cast<const c10::BFloat16*>(g),
-              reinterpret_cast<const c10::BFloat16*>(u), i0, inter, act);
-}
-
 template <typename T>
 void act_mul_rows(T* out, const T* gu, int64_t rows, int64_t inter, cbserve_fused::Act act) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
@@ -389,28 +382,27 @@ void act_mul_f32_avx2(float* out, const float* gu, int64_t rows, int64_t inter, 
 
 // bf16 where the CPU has no native bf16 (`--dtype bfloat16` on AVX2): the
 // activation rounded to bf16 before the product, as act_mul_rows rounds it.
-CB_AVX2 void act_mul_bf16_avx2_rows(uint16_t* out, const uint16_t* gu, int64_t r0, int64_t r1, int64_t inter,
+CB_AVX2 void act_mul_bf16_avx2_rows(c10::BFloat16* out, const c10::BFloat16* gu, int64_t r0, int64_t r1, int64_t inter,
                                     cbserve_fused::Act act) {
-  using cbserve_fused::load_bf16x8;
+  const auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
   const __m256 one = _mm256_set1_ps(1.f);
   for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* g = gu + r * 2 * inter;
-    const uint16_t* u = g + inter;
-    uint16_t* o = out + r * inter;
+    const c10::BFloat16* g = gu + r * 2 * inter;
+    const c10::BFloat16* u = g + inter;
+    c10::BFloat16* o = out + r * inter;
     int64_t i = 0;
     for (; i + 8 <= inter; i += 8) {
-      const __m256 s = cbserve_fused::round_bf16x8(act_mul_f32x8(act, load_bf16x8(g + i), one));
-      cbserve_fused::store_bf16x8(o + i, _mm256_mul_ps(s, load_bf16x8(u + i)));
+      const __m256 s = cbserve_fused::round_bf16x8(act_mul_f32x8(act, cbserve_fused::load_bf16x8(bits(g + i)), one));
+      cbserve_fused::store_bf16x8(reinterpret_cast<uint16_t*>(o + i),
+                                  _mm256_mul_ps(s, cbserve_fused::load_bf16x8(bits(u + i))));
     }
-    act_mul_rows_tail(o, g, u, i, inter, act);
+    act_mul_row(o, g, u, i, inter, act);
   }
 }
 
 void act_mul_bf16_avx2(c10::BFloat16* out, const c10::BFloat16* gu, int64_t rows, int64_t inter,
                        cbserve_fused::Act act) {
-  auto* o = reinterpret_cast<uint16_t*>(out);
-  const auto* g = reinterpret_cast<const uint16_t*>(gu);
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { act_mul_bf16_avx2_rows(o, g, r0, r1, inter, act); });
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { act_mul_bf16_avx2_rows(out, gu, r0, r1, inter, act); });
 }
 
 CB_AVX512BF16 void add_rows_bf16(c10::BFloat16* res, const c10::BFloat16* x, int64_t r0, int64_t r1, int64_t h) {
