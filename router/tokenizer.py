@@ -159,15 +159,13 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     spec = (model or "smollm2").strip()
     if spec == "tiny" or spec.startswith("tiny:"):
         return _from_hf(build_tiny_tokenizer(), 259)
-    # Imported only here: AutoTokenizer pulls in torch (seconds of CPU at
-    # start-up), which the tiny test model's byte tokenizer does without.
-    from transformers import AutoTokenizer
-
     if spec in DEFAULT_MODEL_SPECS:
         converted = os.path.join(_cache_dir(), "smollm2-hf")
         if os.path.isfile(os.path.join(converted, "tokenizer.json")):
-            hf = AutoTokenizer.from_pretrained(converted)
+            hf = _hf_from_dir(converted)
         else:
+            from transformers import AutoTokenizer
+
             found = importlib.util.find_spec(GGUF_PACKAGE)
             if found is None or found.origin is None:
                 raise FileNotFoundError(
@@ -176,6 +174,8 @@ def load_tokenizer(model: str | None) -> Tokenizer:
             hf = AutoTokenizer.from_pretrained(os.path.dirname(found.origin), gguf_file=GGUF_FILE)
         vocab = 49152
     elif spec.endswith(".gguf") and os.path.isfile(spec):
+        from transformers import AutoTokenizer
+
         try:  # the tokenizer the GGUF file carries (transformers converts it)
             hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(spec)), gguf_file=os.path.basename(spec))
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -183,13 +183,123 @@ def load_tokenizer(model: str | None) -> Tokenizer:
         vocab = len(hf)
     elif os.path.isdir(spec):
         try:
-            hf = AutoTokenizer.from_pretrained(spec)
+            hf = _hf_from_dir(spec)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise TokenizerUnavailable(f"{spec}: no tokenizer the router can load: {exc}") from exc
         vocab = _config_vocab(spec) or len(hf)
     else:
         raise FileNotFoundError(f"model {spec!r} is neither 'smollm2', 'tiny' nor a local directory")
     return _from_hf(hf, vocab)
+
+
+# AutoTokenizer decides a checkpoint's tokenizer class from its model type's
+# config class, and importing any config class imports torch (transformers'
+# rope utilities): seconds of CPU and ~300 MB in a process that does no tensor
+# work. For the model types below the router makes the same decision from the
+# checkpoint's JSON files alone, by AutoTokenizer's own rules for a local
+# directory; any other checkpoint still goes through AutoTokenizer.
+# tests/router/test_tokenizer_class.py holds these tables to transformers' own
+# (TOKENIZER_MAPPING_NAMES, MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) and the
+# decision to AutoTokenizer's for every combination.
+REGISTERED_TOKENIZER = {  # model type -> its registered tokenizer class, None: none registered
+    "llama": None,
+    "mistral": "TokenizersBackend",
+    "mixtral": "TokenizersBackend",
+    "qwen2": "Qwen2Tokenizer",
+    "qwen2_moe": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "qwen3_moe": "Qwen2Tokenizer",
+    "gemma": "GemmaTokenizer",
+    "gemma2": "GemmaTokenizer",
+    "gemma3_text": "GemmaTokenizer",
+    "phi3": "TokenizersBackend",
+    "olmo2": "TokenizersBackend",
+    "granite": "TokenizersBackend",
+}
+HUB_CLASS_DISTRUSTED = frozenset({"phi3", "qwen2"})  # their registered class wins over a checkpoint's
+_GENERIC = ("TokenizersBackend", "PythonBackend", "PreTrainedTokenizerFast")
+
+
+def _read_json(path: str) -> dict:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def tokenizer_class_name(path: str) -> str | None:
+    """The name of the class AutoTokenizer.from_pretrained(path) builds for a
+    local checkpoint directory, decided without transformers' config classes;
+    None where only AutoTokenizer can decide (another model type, custom
+    code, no tokenizer.json, no declared class, a declared LlamaTokenizer,
+    whose choice depends on the pre-tokenizer)."""
+    try:
+        return _decide_class(path)
+    except _NotATokenizer:
+        return None
+
+
+class _NotATokenizer(Exception):
+    """A declared class name that transformers exports as something else."""
+
+
+def _decide_class(path: str) -> str | None:
+    tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+    cfg = _read_json(os.path.join(path, "config.json"))
+    model_type = cfg.get("model_type")
+    if (
+        model_type not in REGISTERED_TOKENIZER
+        or "auto_map" in tok_cfg
+        or "auto_map" in cfg
+        or not os.path.isfile(os.path.join(path, "tokenizer.json"))
+    ):
+        return None
+    hub = tok_cfg.get("tokenizer_class") or cfg.get("tokenizer_class")
+    if not isinstance(hub, str) or not hub or hub.removesuffix("Fast") == "LlamaTokenizer":
+        return None
+    registered = REGISTERED_TOKENIZER[model_type]
+    if registered is not None and registered.removesuffix("Fast") != hub.removesuffix("Fast"):
+        if registered not in _GENERIC:
+            name = registered if model_type in HUB_CLASS_DISTRUSTED else hub
+            found = _tokenizer_class(name)
+            if found is not None and found.__name__ not in _GENERIC:
+                return found.__name__
+        return "TokenizersBackend"
+    name = hub.removesuffix("Fast")
+    found = _tokenizer_class(name) or _tokenizer_class(name + "Fast")
+    if found is None or found.__name__ == "PythonBackend":
+        return "TokenizersBackend"
+    return found.__name__
+
+
+def _tokenizer_class(name: str):
+    """transformers' tokenizer class of that name (its `XFast` aliases
+    included), or None; _NotATokenizer where the name is something else
+    (the router builds nothing but a tokenizer from a checkpoint's word)."""
+    import transformers
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    try:
+        found = getattr(transformers, name)
+    except (AttributeError, ImportError):
+        return None
+    if not (isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)):
+        raise _NotATokenizer(name)
+    return found
+
+
+def _hf_from_dir(path: str):
+    """A checkpoint directory's tokenizer, as AutoTokenizer builds it."""
+    name = tokenizer_class_name(path)
+    if name is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return _tokenizer_class(name).from_pretrained(path)
 
 
 def _from_hf(hf, vocab: int) -> Tokenizer:

@@ -111,3 +111,14 @@ def test_greedy_tokens_through_the_server_equal_hugging_face(served, name):
     assert [list(r.token_ids) for r in results] == want
     if name in ("granite", "gemma2"):  # logits scaled / soft-capped by the model: logprobs follow
         assert list(results[0].logprobs) == pytest.approx(want_lp, abs=2e-3)
+
+
+def test_the_router_tokenizes_every_checkpoint_without_torch(served):
+    """The router process (`cbserve serve` itself) loaded each checkpoint's
+    tokenizer without torch: it does no tensor work (docs/architecture.md)."""
+    server, _ = served
+    with open(f"/proc/{server.proc.pid}/maps", encoding="utf-8") as fh:
+        maps = fh.read()
+    assert "libtorch" not in maps
+    with open(f"/proc/{server.executor_pid()}/maps", encoding="utf-8") as fh:
+        assert "libtorch" in fh.read()  # the check can see torch where it is
