@@ -16,6 +16,11 @@ def cache_dir() -> str:
     return os.environ.get("CBSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cbserve")
 
 
+def default_converted_dir() -> str:
+    """The embedded default's converted checkpoint (kept under its old name)."""
+    return os.path.join(cache_dir(), "smollm2-hf")
+
+
 def gguf_converted_dir(gguf_path: str) -> str:
     """The converted checkpoint of the GGUF file at `gguf_path`: one
     directory per file (its absolute path, size and modification time, so a

