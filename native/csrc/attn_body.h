@@ -248,6 +248,55 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
   }
 }
 
+// online_softmax_row for the M (<= 16) rows of a decode chunk at once, in
+// phases over all rows so that no row's reductions wait on another's: the
+// rows' maxima, then every row's correction exp(m_old - m_new) in one vector
+// exp (no scalar libm call between the rows), then the exponentials and
+// sums. Rows with skip[r] (nothing visible in this chunk) are all zero on
+// entry and keep their state, as do rows masked out entirely. Same results as online_softmax_row up to the
+// rounding of the corrections.
+static inline void online_softmax_rows(float* S, int64_t lds, int64_t M, int64_t ncols, const bool* skip, float* m,
+                                       float* l, float* Acc, int64_t DP) {
+  const float ninf = -__builtin_inff();
+  alignas(64) float mnew[16], diff[16], corr[16];
+  bool none[16];
+  for (int64_t r = 0; r < 16; ++r) diff[r] = 0.f;
+  for (int64_t r = 0; r < M; ++r) {
+    const float* s = S + r * lds;
+    typename V::R mx = V::set1(ninf);
+    for (int64_t c = 0; c < ncols; c += V::W) mx = V::max(mx, V::load(s + c));
+    const float bmax = skip[r] ? ninf : V::hmax(mx);
+    none[r] = bmax == ninf;  // masked out entirely (e.g. its window starts later)
+    // A row that sees nothing keeps its max; one seen for the first time has
+    // no state to correct (its accumulator and sum are zero): any finite diff.
+    mnew[r] = bmax > m[r] ? bmax : m[r];
+    diff[r] = m[r] == ninf ? 0.f : m[r] - mnew[r];
+  }
+  for (int64_t r = 0; r < 16; r += V::W) V::store(corr + r, V::exp(V::load(diff + r)));
+  for (int64_t r = 0; r < M; ++r) {
+    float* s = S + r * lds;
+    if (none[r]) {  // zero weights, state kept
+      if (!skip[r])
+        for (int64_t c = 0; c < ncols; c += V::W) V::store(s + c, V::zero());
+      continue;
+    }
+    const typename V::R mv = V::set1(mnew[r]);
+    typename V::R sum = V::zero();
+    for (int64_t c = 0; c < ncols; c += V::W) {
+      const typename V::R e = V::exp(V::sub(V::load(s + c), mv));
+      V::store(s + c, e);
+      sum = V::add(sum, e);
+    }
+    l[r] = l[r] * corr[r] + V::hsum(sum);
+    m[r] = mnew[r];
+    if (corr[r] != 1.f) {
+      float* acc = Acc + r * DP;
+      const typename V::R cv = V::set1(corr[r]);
+      for (int64_t d = 0; d < DP; d += V::W) V::store(acc + d, V::mul(V::load(acc + d), cv));
+    }
+  }
+}
+
 // One row's scores of the tokens [t0, t0 + ncols) (ncols a multiple of
 // V::W) for a query at position pos: the scores are soft-capped, then keys
 // after pos (t >= vis) and, with a sliding window, before pos - window + 1
@@ -411,17 +460,19 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
     }
     // Exact softmax over the chunk, rescaling the running state once per chunk.
     const int64_t ncols = (n + V::W - 1) / V::W * V::W;
+    bool skip[16];
     for (int64_t r = 0; r < M; ++r) {
       const int64_t pos = ctx + it.q_begin + (r % Mh) / G;  // the row's own position
       const int64_t vis = cb_max(0, cb_min(n, pos - c0 + 1));
       float* s = S + r * CH;
-      if (vis == 0) {
+      skip[r] = vis == 0;
+      if (skip[r]) {
         for (int64_t t = 0; t < ncols; ++t) s[t] = 0.f;
         continue;
       }
       mask_row(p, s, ncols, pos, c0, vis);
-      online_softmax_row(s, ncols, mrow[r], lrow[r], Acc + r * DP, DP);
     }
+    online_softmax_rows(S, CH, M, ncols, skip, mrow, lrow, Acc, DP);
     // P.V, streaming V rows.
     for (int64_t j = 0; j < nh; ++j)
       CB_DEC_PV(S + j * Mh * CH, CH, Mh, vc + j * headb, offs, n, dtype, D, Acc + j * Mh * DP, DP, tmp, pf);

@@ -175,9 +175,9 @@ static inline void load32f(const float* p, int64_t left, __m512& x0, __m512& x1)
 // (in registers), dotted with the RS query rows (qb: [RS][2*NP] vectors in
 // the load32t layout), and the per-token partial-sum vectors are reduced by
 // transpose-add trees, 4 tokens at a time.
-template <int NP, int DT, int RS>
+template <int NP, int DT, int RS, class PF>
 static inline void dec_scores_rows(const float* qb, const char* base, const int64_t* offs, int64_t n,
-                                   const __mmask32* m, float* S, int64_t lds, KvPrefetch& pf) {
+                                   const __mmask32* m, float* S, int64_t lds, PF& pf) {
   constexpr int64_t es = esz<DT>();
   constexpr int NV = 2 * NP;
   __m512 c[RS][4];
@@ -227,9 +227,9 @@ __attribute__((always_inline)) static inline void scores_token2p(const float* qb
 
 // Tokens 4j .. 4j + 3 (clamped to n - 1; those lanes are not stored), each
 // row's four dot-product vectors reduced to one (hsum4_lanes).
-template <int DT, int RS>
+template <int DT, int RS, class PF>
 __attribute__((always_inline)) static inline void scores_quad2p(const float* qb, const char* base, const int64_t* offs,
-                                                                int64_t n, int j, const __mmask32* m, KvPrefetch& pf,
+                                                                int64_t n, int j, const __mmask32* m, PF& pf,
                                                                 __m512& c0, __m512& c1, __m512& c2) {
   constexpr int64_t es = esz<DT>();
   const __m512 z = _mm512_setzero_ps();
@@ -248,9 +248,9 @@ __attribute__((always_inline)) static inline void scores_quad2p(const float* qb,
   if constexpr (RS > 2) c2 = hsum4_lanes(a20, a21, a22, a23);
 }
 
-template <int DT, int RS>
+template <int DT, int RS, class PF>
 static inline void dec_scores_rows2p(const float* qb, const char* base, const int64_t* offs, int64_t n,
-                                     const __mmask32* m, float* S, int64_t lds, KvPrefetch& pf) {
+                                     const __mmask32* m, float* S, int64_t lds, PF& pf) {
   static_assert(RS >= 1 && RS <= 3, "rows");
   const __m512 z = _mm512_setzero_ps();
   __m512 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z;
@@ -289,11 +289,11 @@ CB_DEC_DP __attribute__((always_inline)) static inline void scores_token_dp(cons
   if constexpr (RS > 2) s2 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(z, k0, qv[4]), k1, qv[5]);
 }
 
-template <int RS>
+template <int RS, class PF>
 CB_DEC_DP __attribute__((always_inline)) static inline void scores_quad_dp(const __m512bh* qv, const char* base,
                                                                            const int64_t* offs, int64_t n, int j,
-                                                                           const __mmask32* m, KvPrefetch& pf,
-                                                                           __m512& c0, __m512& c1, __m512& c2) {
+                                                                           const __mmask32* m, PF& pf, __m512& c0,
+                                                                           __m512& c1, __m512& c2) {
   const __m512 z = _mm512_setzero_ps();
   __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z, a20 = z, a21 = z, a22 = z, a23 = z;
   const int64_t t0 = 4 * j;
@@ -310,9 +310,9 @@ CB_DEC_DP __attribute__((always_inline)) static inline void scores_quad_dp(const
   if constexpr (RS > 2) c2 = hsum4_lanes(a20, a21, a22, a23);
 }
 
-template <int RS>
+template <int RS, class PF>
 CB_DEC_DP static inline void dec_scores_rows_dp(const __m512bh* qv, const char* base, const int64_t* offs, int64_t n,
-                                                const __mmask32* m, float* S, int64_t lds, KvPrefetch& pf) {
+                                                const __mmask32* m, float* S, int64_t lds, PF& pf) {
   const __m512 z = _mm512_setzero_ps();
   __m512 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z;
   scores_quad_dp<RS>(qv, base, offs, n, 0, m, pf, c00, c10, c20);
@@ -323,6 +323,18 @@ CB_DEC_DP static inline void dec_scores_rows_dp(const __m512bh* qv, const char* 
   _mm512_mask_storeu_ps(S, sm, hsum_quads(c00, c01, c02, c03));
   if constexpr (RS > 1) _mm512_mask_storeu_ps(S + lds, sm, hsum_quads(c10, c11, c12, c13));
   if constexpr (RS > 2) _mm512_mask_storeu_ps(S + 2 * lds, sm, hsum_quads(c20, c21, c22, c23));
+}
+
+// One pass of dec_scores_dp over the first min(3, rows) query rows.
+template <class PF>
+CB_DEC_DP static inline void dec_scores_pass_dp(const __m512bh* qv, int64_t rows, const char* base, const int64_t* offs,
+                                                int64_t n, const __mmask32* m, float* S, int64_t lds, PF& pf) {
+  if (rows >= 3)
+    dec_scores_rows_dp<3>(qv, base, offs, n, m, S, lds, pf);
+  else if (rows == 2)
+    dec_scores_rows_dp<2>(qv, base, offs, n, m, S, lds, pf);
+  else
+    dec_scores_rows_dp<1>(qv, base, offs, n, m, S, lds, pf);
 }
 
 CB_DEC_DP static void dec_scores_dp(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
@@ -336,10 +348,32 @@ CB_DEC_DP static void dec_scores_dp(const float* Q, int64_t ldq, int64_t M, cons
     qv[2 * r] = _mm512_cvtne2ps_pbh(x[1], x[0]);
     qv[2 * r + 1] = _mm512_cvtne2ps_pbh(x[3], x[2]);
   }
-  int64_t r0 = 0;
-  for (; r0 + 3 <= M; r0 += 3) dec_scores_rows_dp<3>(qv + 2 * r0, base, offs, n, m, S + r0 * lds, lds, pf);
-  if (M - r0 == 2) dec_scores_rows_dp<2>(qv + 2 * r0, base, offs, n, m, S + r0 * lds, lds, pf);
-  if (M - r0 == 1) dec_scores_rows_dp<1>(qv + 2 * r0, base, offs, n, m, S + r0 * lds, lds, pf);
+  NoPrefetch none;  // only the first pass steps the item's prefetcher
+  for (int64_t r0 = 0; r0 < M; r0 += 3) {
+    const __m512bh* q = qv + 2 * r0;
+    float* s = S + r0 * lds;
+    if (r0 == 0)
+      dec_scores_pass_dp(q, M - r0, base, offs, n, m, s, lds, pf);
+    else
+      dec_scores_pass_dp(q, M - r0, base, offs, n, m, s, lds, none);
+  }
+}
+
+// The next pass of dec_scores_k over the first of `rows` query rows (qb in
+// the load32t layout); returns how many it took.
+template <int NP, int DT, class PF>
+static inline int64_t dec_scores_pass(const float* qb, int64_t rows, const char* base, const int64_t* offs, int64_t n,
+                                      const __mmask32* m, float* S, int64_t lds, PF& pf) {
+  if constexpr (NP == 2) {
+    if (rows >= 3) return dec_scores_rows2p<DT, 3>(qb, base, offs, n, m, S, lds, pf), 3;
+    if (rows == 2) return dec_scores_rows2p<DT, 2>(qb, base, offs, n, m, S, lds, pf), 2;
+    return dec_scores_rows2p<DT, 1>(qb, base, offs, n, m, S, lds, pf), 1;
+  } else {
+    constexpr int RS = NP <= 2 ? 3 : 2;
+    if (rows >= RS) return dec_scores_rows<NP, DT, RS>(qb, base, offs, n, m, S, lds, pf), RS;
+    if (RS > 2 && rows == 2) return dec_scores_rows<NP, DT, 2>(qb, base, offs, n, m, S, lds, pf), 2;
+    return dec_scores_rows<NP, DT, 1>(qb, base, offs, n, m, S, lds, pf), 1;
+  }
 }
 
 // Dispatch shim: NC = 16-lane chunks of D, NP = 32-element pairs.
@@ -369,30 +403,23 @@ static void dec_scores_k(const float* Q, int64_t ldq, int64_t M, const char* bas
       _mm512_store_ps(dst + 16, x1);
     }
   }
-  constexpr int RS = NP <= 2 ? 3 : 2;
-  int64_t r0 = 0;
-  if constexpr (NP == 2) {
-    for (; r0 + 3 <= M; r0 += 3) dec_scores_rows2p<DT, 3>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
-    if (M - r0 == 2) dec_scores_rows2p<DT, 2>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
-    if (M - r0 == 1) dec_scores_rows2p<DT, 1>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
-    return;
+  NoPrefetch none;  // only the first pass steps the item's prefetcher
+  for (int64_t r0 = 0; r0 < M;) {
+    const float* q = qb + r0 * NV * 16;
+    float* s = S + r0 * lds;
+    const int64_t rows = r0 == 0 ? dec_scores_pass<NP, DT>(q, M - r0, base, offs, n, m, s, lds, pf)
+                                 : dec_scores_pass<NP, DT>(q, M - r0, base, offs, n, m, s, lds, none);
+    r0 += rows;
   }
-  for (; r0 + RS <= M; r0 += RS)
-    dec_scores_rows<NP, DT, RS>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
-  if (M - r0 == 2 && RS > 2) {
-    dec_scores_rows<NP, DT, 2>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
-    return;
-  }
-  for (; r0 < M; ++r0) dec_scores_rows<NP, DT, 1>(qb + r0 * NV * 16, base, offs, n, m, S + r0 * lds, lds, pf);
 }
 
 // A[r] += sum_t P[r*ldp + t] * V_t over a whole chunk of tokens: V rows are
 // converted on the fly (load32t layout), RT rows x 2*NP vectors of
 // accumulators stay in registers; A (natural layout, D columns) is read and
 // written once.
-template <int NP, int DT, int RT>
+template <int NP, int DT, int RT, class PF>
 static inline void dec_pv_rows(const float* P, int64_t ldp, const char* base, const int64_t* offs, int64_t n, int64_t D,
-                               const __mmask32* m, float* A, int64_t lda, KvPrefetch& pf) {
+                               const __mmask32* m, float* A, int64_t lda, PF& pf) {
   constexpr int64_t es = esz<DT>();
   constexpr int NV = 2 * NP;
   const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -450,47 +477,77 @@ static inline void pv_row_store(float* a, int64_t D, __m512 v0, __m512 v1, __m51
   if (D > 48) _mm512_mask_storeu_ps(a + 48, tail_mask(D - 48), v3);
 }
 
-template <int DT, int RT>
+// One row's four accumulators += p * the token's V row (x0..x3).
+#define CB_PV_ROW(R, i)                                                       \
+  if constexpr (RT > i) {                                                     \
+    const __m512 p = _mm512_set1_ps(P[i * ldp + t]);                          \
+    R##0 = _mm512_fmadd_ps(p, x0, R##0), R##1 = _mm512_fmadd_ps(p, x1, R##1); \
+    R##2 = _mm512_fmadd_ps(p, x2, R##2), R##3 = _mm512_fmadd_ps(p, x3, R##3); \
+  }
+
+// Up to six rows in one pass: 24 accumulators, the token's four V vectors
+// and one broadcast fit the 32 registers, so a GQA group of up to six query
+// heads converts each V row once and keeps at least 4 x RT FMA chains.
+template <int DT, int RT, class PF>
 static inline void dec_pv_rows2p(const float* P, int64_t ldp, const char* base, const int64_t* offs, int64_t n,
-                                 int64_t D, const __mmask32* m, float* A, int64_t lda, KvPrefetch& pf) {
-  static_assert(RT >= 1 && RT <= 4, "rows");
+                                 int64_t D, const __mmask32* m, float* A, int64_t lda, PF& pf) {
+  static_assert(RT >= 1 && RT <= 6, "rows");
   constexpr int64_t es = esz<DT>();
   const __m512 z = _mm512_setzero_ps();
   __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
   __m512 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
+  __m512 a40 = z, a41 = z, a42 = z, a43 = z, a50 = z, a51 = z, a52 = z, a53 = z;
   pv_row_load<DT>(A, D, a00, a01, a02, a03);
   if constexpr (RT > 1) pv_row_load<DT>(A + lda, D, a10, a11, a12, a13);
   if constexpr (RT > 2) pv_row_load<DT>(A + 2 * lda, D, a20, a21, a22, a23);
   if constexpr (RT > 3) pv_row_load<DT>(A + 3 * lda, D, a30, a31, a32, a33);
+  if constexpr (RT > 4) pv_row_load<DT>(A + 4 * lda, D, a40, a41, a42, a43);
+  if constexpr (RT > 5) pv_row_load<DT>(A + 5 * lda, D, a50, a51, a52, a53);
   for (int64_t t = 0; t < n; ++t) {
     pf.step();
     const char* v = base + offs[t] * es;
     __m512 x0, x1, x2, x3;
     load32t<DT>(v, m[0], x0, x1);
     load32t<DT>(v + 32 * es, m[1], x2, x3);
-    __m512 p = _mm512_set1_ps(P[t]);
-    a00 = _mm512_fmadd_ps(p, x0, a00), a01 = _mm512_fmadd_ps(p, x1, a01);
-    a02 = _mm512_fmadd_ps(p, x2, a02), a03 = _mm512_fmadd_ps(p, x3, a03);
-    if constexpr (RT > 1) {
-      p = _mm512_set1_ps(P[ldp + t]);
-      a10 = _mm512_fmadd_ps(p, x0, a10), a11 = _mm512_fmadd_ps(p, x1, a11);
-      a12 = _mm512_fmadd_ps(p, x2, a12), a13 = _mm512_fmadd_ps(p, x3, a13);
-    }
-    if constexpr (RT > 2) {
-      p = _mm512_set1_ps(P[2 * ldp + t]);
-      a20 = _mm512_fmadd_ps(p, x0, a20), a21 = _mm512_fmadd_ps(p, x1, a21);
-      a22 = _mm512_fmadd_ps(p, x2, a22), a23 = _mm512_fmadd_ps(p, x3, a23);
-    }
-    if constexpr (RT > 3) {
-      p = _mm512_set1_ps(P[3 * ldp + t]);
-      a30 = _mm512_fmadd_ps(p, x0, a30), a31 = _mm512_fmadd_ps(p, x1, a31);
-      a32 = _mm512_fmadd_ps(p, x2, a32), a33 = _mm512_fmadd_ps(p, x3, a33);
-    }
+    CB_PV_ROW(a0, 0)
+    CB_PV_ROW(a1, 1)
+    CB_PV_ROW(a2, 2)
+    CB_PV_ROW(a3, 3)
+    CB_PV_ROW(a4, 4)
+    CB_PV_ROW(a5, 5)
   }
   pv_row_store<DT>(A, D, a00, a01, a02, a03);
   if constexpr (RT > 1) pv_row_store<DT>(A + lda, D, a10, a11, a12, a13);
   if constexpr (RT > 2) pv_row_store<DT>(A + 2 * lda, D, a20, a21, a22, a23);
   if constexpr (RT > 3) pv_row_store<DT>(A + 3 * lda, D, a30, a31, a32, a33);
+  if constexpr (RT > 4) pv_row_store<DT>(A + 4 * lda, D, a40, a41, a42, a43);
+  if constexpr (RT > 5) pv_row_store<DT>(A + 5 * lda, D, a50, a51, a52, a53);
+}
+#undef CB_PV_ROW
+
+// One P.V pass over the first `rows` query rows: 1-6 for head_dim 33-64
+// (dec_pv_rows2p), else 1-RT (dec_pv_rows).
+template <int NP, int DT, int RT, class PF>
+static inline void dec_pv_pass(const float* P, int64_t ldp, int64_t rows, const char* base, const int64_t* offs,
+                               int64_t n, int64_t D, const __mmask32* m, float* A, int64_t lda, PF& pf) {
+  if constexpr (NP == 2) {
+    switch (rows) {
+      case 1: dec_pv_rows2p<DT, 1>(P, ldp, base, offs, n, D, m, A, lda, pf); break;
+      case 2: dec_pv_rows2p<DT, 2>(P, ldp, base, offs, n, D, m, A, lda, pf); break;
+      case 3: dec_pv_rows2p<DT, 3>(P, ldp, base, offs, n, D, m, A, lda, pf); break;
+      case 4: dec_pv_rows2p<DT, 4>(P, ldp, base, offs, n, D, m, A, lda, pf); break;
+      case 5: dec_pv_rows2p<DT, 5>(P, ldp, base, offs, n, D, m, A, lda, pf); break;
+      default: dec_pv_rows2p<DT, 6>(P, ldp, base, offs, n, D, m, A, lda, pf); break;
+    }
+  } else if (rows >= RT) {
+    dec_pv_rows<NP, DT, RT>(P, ldp, base, offs, n, D, m, A, lda, pf);
+  } else if (rows == 1) {
+    dec_pv_rows<NP, DT, 1>(P, ldp, base, offs, n, D, m, A, lda, pf);
+  } else if (rows == 2) {
+    if constexpr (RT > 2) dec_pv_rows<NP, DT, 2>(P, ldp, base, offs, n, D, m, A, lda, pf);
+  } else if (rows == 3) {
+    if constexpr (RT > 3) dec_pv_rows<NP, DT, 3>(P, ldp, base, offs, n, D, m, A, lda, pf);
+  }
 }
 
 template <int NC, int DT>
@@ -504,35 +561,20 @@ static void dec_pv_k(const float* P, int64_t ldp, int64_t M, const char* base, c
     const int64_t left = D - pc * 32;
     m[pc] = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);
   }
-  if constexpr (NP == 2) {
-    int64_t r0 = 0;
-    for (; r0 + 4 <= M; r0 += 4) dec_pv_rows2p<DT, 4>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda, pf);
+  // Passes of at most six rows (head_dim 33-64) or RT, as even as possible
+  // (7 rows: 4 + 3): the rows of a pass share each V row's conversion, and a
+  // lone row would leave one FMA chain per accumulator, latency-bound.
+  const int64_t most = NP == 2 ? 6 : RT, passes = (M + most - 1) / most;
+  NoPrefetch none;  // only the first pass steps the item's prefetcher
+  for (int64_t r0 = 0, k = 0; k < passes; ++k) {
+    const int64_t rows = (M - r0) / (passes - k);
     const float* pr = P + r0 * ldp;
     float* ar = A + r0 * lda;
-    switch (M - r0) {
-      case 1: dec_pv_rows2p<DT, 1>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
-      case 2: dec_pv_rows2p<DT, 2>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
-      case 3: dec_pv_rows2p<DT, 3>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
-      default: break;
-    }
-    return;
-  }
-  int64_t r0 = 0;
-  for (; r0 + RT <= M; r0 += RT) dec_pv_rows<NP, DT, RT>(P + r0 * ldp, ldp, base, offs, n, D, m, A + r0 * lda, lda, pf);
-  // The remaining rows in one pass too (e.g. the 3 query heads of a GQA
-  // group): one pass per row would convert each V row again and leave one
-  // FMA chain per accumulator, latency-bound.
-  const float* pr = P + r0 * ldp;
-  float* ar = A + r0 * lda;
-  switch (M - r0) {
-    case 1: dec_pv_rows<NP, DT, 1>(pr, ldp, base, offs, n, D, m, ar, lda, pf); break;
-    case 2:
-      if constexpr (RT > 2) dec_pv_rows<NP, DT, 2>(pr, ldp, base, offs, n, D, m, ar, lda, pf);
-      break;
-    case 3:
-      if constexpr (RT > 3) dec_pv_rows<NP, DT, 3>(pr, ldp, base, offs, n, D, m, ar, lda, pf);
-      break;
-    default: break;
+    if (k == 0)
+      dec_pv_pass<NP, DT, RT>(pr, ldp, rows, base, offs, n, D, m, ar, lda, pf);
+    else
+      dec_pv_pass<NP, DT, RT>(pr, ldp, rows, base, offs, n, D, m, ar, lda, none);
+    r0 += rows;
   }
 }
 

@@ -5,6 +5,12 @@
 // spread over the loops, the next chunk's rows stream in while this chunk's
 // scores, softmax and P.V run.
 //
+// A kernel that visits the tokens in several passes of query rows steps the
+// item's prefetcher in its first pass only and hands the others an idle one
+// (NoPrefetch, whose step() compiles to nothing): each step costs a few
+// scalar instructions inside the tightest loops, and the per-step quota
+// assumes one step per token and loop.
+//
 // Internal linkage on purpose: each ISA translation unit gets its own copy.
 #pragma once
 
@@ -46,6 +52,10 @@ struct KvPrefetch {
     per = 1;
     while (t < n) step();
   }
+};
+
+struct NoPrefetch {
+  inline void step() {}
 };
 
 }  // namespace

@@ -134,11 +134,13 @@ def test_large_decode_batch_whole_row_items(isa, dtype, hq, hkv):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [40, 48, 56, 64])
-@pytest.mark.parametrize("hq,hkv", [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (9, 3)])
+@pytest.mark.parametrize("hq,hkv", [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1), (9, 3)])
 def test_decode_head_dims_33_to_64(isa, dtype, d, hq, hkv):
     """Head dims of two 32-element pairs, the second partly masked, at every
-    query-row count the AVX-512 decode kernels specialise (1-4 rows per
-    pass and their remainders; 9 = 3 KV heads x 3): the reference result."""
+    query-row count the AVX-512 decode kernels specialise (scores in passes
+    of 1-3 rows, P.V in even passes of 1-6: 7 rows as 4 + 3, a 2-token
+    query of 8 heads' 16 rows as 5 + 5 + 6; 9 = 3 KV heads x 3): the
+    reference result."""
     q_lens = [1, 2, 1, 1]
     ctx_lens = [0, 33, 100, 517]
     check(dict(q_lens=q_lens, ctx_lens=ctx_lens, hq=hq, hkv=hkv, d=d, block_size=16, dtype=dtype, seed=d + hq))
