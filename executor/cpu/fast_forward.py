@@ -215,6 +215,7 @@ class LeanLlamaForward:
         self._rope_split = fused.rope_split
         self._rope_cache = fused.rope_cache
         self._norm_add_norm = fused.norm_add_norm_w32
+        self._norm_add = fused.norm_add_w32_
         from native import _C
 
         self._native_write = _C.reshape_and_cache
@@ -347,10 +348,11 @@ class LeanLlamaForward:
             attend(attn, q, kc, vc, at.block_tables, at.cu_seqlens_q, at.seq_lens, L.scale, L.window, L.softcap)
             o = L.o_proj(attn.view(q.shape[0], self.hq * self.head_dim))
             if L.post is not None:
-                # residual + norm(o), then the same around the MLP: each sum
+                # residual += norm(o), then the same around the MLP, in place
+                # (the residual is this forward's own tensor): each sum
                 # rounded in the model dtype, as the decoder layer adds.
-                residual = residual + self._norm_w32_new(o, L.post.attn)
-                residual = residual + self._norm_w32_new(self._mlp(L, residual), L.post.mlp)
+                self._norm_add(o, residual, *L.post.attn)
+                self._norm_add(self._mlp(L, residual), residual, *L.post.mlp)
                 continue
             if L.sandwich is not None:
                 h = self._sandwich(o, residual, L.sandwich.post_attn, L.sandwich.pre_ff)

@@ -458,6 +458,32 @@ def test_gelu_tanh_gated_mlp_kernels_match_torch(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_add_is_olmo2s_post_norm_and_residual_add_bit_for_bit(dtype):
+    """norm_add_w32_: residual + post_norm(x) in place, as OLMo 2's decoder
+    layer adds after attention and after the MLP (x's rows spanning two
+    decades of scale); x is left as it was."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    import native._fused as fused
+
+    torch.manual_seed(0)
+    norm = Olmo2RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    norm = norm.to(dtype)
+    x = (torch.randn(23, 96) * torch.logspace(-1, 1, 23).unsqueeze(1)).to(dtype)
+    residual = (torch.randn(23, 96) * 4).to(dtype)
+    want, x0 = residual + norm(x), x.clone()
+    fused.norm_add_w32_(x, residual, norm.weight.detach().float().contiguous(), 1e-6)
+    same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert same(residual, want) and torch.equal(x, x0)
+    with pytest.raises(RuntimeError, match="fp32"):
+        fused.norm_add_w32_(x, residual, norm.weight.detach().half(), 1e-6)
+    with pytest.raises(RuntimeError, match="differ"):
+        fused.norm_add_w32_(x[:3], residual, norm.weight.detach().float().contiguous(), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemma_norm_add_norm_and_per_head_norms_are_its_modules_bit_for_bit(dtype):
     """norm_add_norm_w32: residual + post_norm(x), then the next pre-norm, as
     Gemma's decoder layer computes them; rms_norm_w32_ over [T, heads, D]

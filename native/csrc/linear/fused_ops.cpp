@@ -90,24 +90,39 @@ void rms_norm_w32_rows(T* out, RowMap om, const T* x, RowMap xm, const float* w,
   });
 }
 
-// residual += (w1 * norm(x)).to(T), rounded as `residual + hidden` in T;
-// out = (w2 * norm(residual)).to(T): Gemma's norm after attention (or after
-// the MLP), the residual add, and the norm before the next block.
+// One row's residual += (w * norm(x)).to(T), rounded as `residual + hidden`
+// in T: a norm after a block and its residual add.
+template <typename T>
+inline void norm_add_row(T* rr, const T* xr, const float* w, int64_t h, float eps) {
+  const float inv = inv_rms(xr, h, eps);
+  for (int64_t i = 0; i < h; ++i) {
+    const T y = static_cast<T>(w[i] * (static_cast<float>(xr[i]) * inv));
+    rr[i] = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(y));
+  }
+}
+
+// norm_add_row, then out = (w2 * norm(residual)).to(T): Gemma's norm after
+// attention (or after the MLP), the residual add, and the norm before the
+// next block.
 template <typename T>
 void norm_add_norm_w32_rows(T* out, const T* x, T* res, const float* w1, float eps1, const float* w2, float eps2,
                             int64_t rows, int64_t h) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * h;
       T* rr = res + r * h;
-      const float inv = inv_rms(xr, h, eps1);
-      for (int64_t i = 0; i < h; ++i) {
-        const T y = static_cast<T>(w1[i] * (static_cast<float>(xr[i]) * inv));
-        rr[i] = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(y));
-      }
+      norm_add_row(rr, x + r * h, w1, h, eps1);
       const float inv2 = inv_rms(rr, h, eps2);
       for (int64_t i = 0; i < h; ++i) out[r * h + i] = static_cast<T>(w2[i] * (static_cast<float>(rr[i]) * inv2));
     }
+  });
+}
+
+// norm_add_row over [rows, h]: OLMo 2's norm after attention (or after the
+// MLP) and its residual add.
+template <typename T>
+void norm_add_w32_rows(const T* x, T* res, const float* w, float eps, int64_t rows, int64_t h) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_add_row(res + r * h, x + r * h, w, h, eps);
   });
 }
 
@@ -328,6 +343,13 @@ void norm_add_norm_w32_bf16_avx512(c10::BFloat16* out, const c10::BFloat16* x, c
       norm_add_bf16_row(rr, xr, w1, h, inv_rms_bf16(xr, h, eps1));
       scale_w32_bf16_row(out + r * h, rr, w2, h, inv_rms_bf16(rr, h, eps2));
     }
+  });
+}
+
+void norm_add_w32_bf16_avx512(const c10::BFloat16* x, c10::BFloat16* res, const float* w, float eps, int64_t rows,
+                              int64_t h) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_add_bf16_row(res + r * h, x + r * h, w, h, inv_rms_bf16(x + r * h, h, eps));
   });
 }
 
@@ -554,19 +576,25 @@ void rms_norm_w32_(const torch::Tensor& x, const torch::Tensor& weight, double e
   });
 }
 
+// x and residual: [T, H] row-major, one shape and dtype; each weight fp32 [H] contiguous.
+static void check_norm_add_args(const torch::Tensor& x, const torch::Tensor& residual,
+                                std::initializer_list<const torch::Tensor*> weights) {
+  check_row_major(x, "x");
+  check_row_major(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual differ in shape or dtype");
+  for (const auto* w : weights)
+    TORCH_CHECK(w->device().is_cpu() && w->is_contiguous() && w->scalar_type() == at::kFloat && w->dim() == 1 &&
+                    w->size(0) == x.size(-1),
+                "norm weights must be fp32 [H]");
+}
+
 // residual += (w1 * norm(x)).to(dtype) in place; returns (w2 * norm(residual)).to(dtype):
 // a (1 + w) / fp32-weight norm after a block, its residual add and the next norm in one pass.
 //   x, residual [T, H] contiguous, one dtype; w1, w2 [H] fp32 contiguous
 torch::Tensor norm_add_norm_w32(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w1, double eps1,
                                 const torch::Tensor& w2, double eps2) {
-  check_row_major(x, "x");
-  check_row_major(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
-              "x and residual differ in shape or dtype");
-  for (const auto* w : {&w1, &w2})
-    TORCH_CHECK(w->device().is_cpu() && w->is_contiguous() && w->scalar_type() == at::kFloat && w->dim() == 1 &&
-                    w->size(0) == x.size(-1),
-                "w1 and w2 must be fp32 [H]");
+  check_norm_add_args(x, residual, {&w1, &w2});
   auto out = torch::empty_like(x);
   const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
   if (rows == 0) return out;
@@ -584,6 +612,26 @@ torch::Tensor norm_add_norm_w32(const torch::Tensor& x, torch::Tensor& residual,
                                      static_cast<float>(eps2), rows, h);
   });
   return out;
+}
+
+// residual += (w * norm(x)).to(dtype) in place: an fp32-weight norm after a
+// block and its residual add in one pass (OLMo 2's post-norms).
+//   x, residual [T, H] contiguous, one dtype; w [H] fp32 contiguous
+void norm_add_w32_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w, double eps) {
+  check_norm_add_args(x, residual, {&w});
+  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
+  if (rows == 0) return;
+#if CB_FUSED_X86
+  if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    norm_add_w32_bf16_avx512(x.data_ptr<c10::BFloat16>(), residual.data_ptr<c10::BFloat16>(), w.data_ptr<float>(),
+                             static_cast<float>(eps), rows, h);
+    return;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_add_w32_", [&] {
+    norm_add_w32_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), w.data_ptr<float>(),
+                                static_cast<float>(eps), rows, h);
+  });
 }
 
 // out = act(gate_up[..., :I]) * gate_up[..., I:], act "silu" or "gelu_tanh"
@@ -787,6 +835,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(),
         "out = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype) with an fp32 weight (OLMo 2 / Gemma "
         "rounding); x and out [R, H] or [A, B, H], rows may be strided, out may be x.");
+  m.def("norm_add_w32_", &norm_add_w32_, py::arg("x"), py::arg("residual"), py::arg("w"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>(),
+        "residual += rms_norm_w32(x, w) in place (model dtype): OLMo 2's post-block norm and residual add in "
+        "one pass.");
   m.def("norm_add_norm_w32", &norm_add_norm_w32, py::arg("x"), py::arg("residual"), py::arg("w1"), py::arg("eps1"),
         py::arg("w2"), py::arg("eps2"), py::call_guard<py::gil_scoped_release>(),
         "residual += rms_norm_w32(x, w1) in place (model dtype), then rms_norm_w32(residual, w2) as a new "
