@@ -349,12 +349,22 @@ def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
     tag = f"{policy}-{time.monotonic_ns()}"
     # A first request runs alone so that the two batch requests queue together
     # (static admits whatever waits when nothing runs) and start as one batch.
-    out, t0 = start_streams(big, {"warmup": gen_request([45] * 16, max_new=150)})
+    # The executor is held while both connect: on a loaded machine the first
+    # could otherwise arrive after the warm-up ended and start a batch alone.
+    out, t0 = start_streams(big, {"warmup": gen_request([45] * 16, max_new=300)})
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1)
     # 1,000 steps: at ~1 ms a step the batch still has hundreds left however
     # long the newcomer takes to arrive.
     batch = {f"b{i}": gen_request([50 + i] * 16, max_new=1000, request_id=f"{tag}-b{i}") for i in range(2)}
-    _, threads = start_streams(big, batch, out)
+    exe = big.executor_pid()
+    submitted = big.metrics()["cbserve_prompt_tokens_total"]
+    os.kill(exe, signal.SIGSTOP)
+    try:
+        _, threads = start_streams(big, batch, out)
+        wait_metric(big, lambda m: m["cbserve_prompt_tokens_total"] - submitted == 2 * 16)
+        assert "warmup" not in out, "the warm-up must still run when the batch arrives"
+    finally:
+        os.kill(exe, signal.SIGCONT)
     wait_metric(big, lambda m: "warmup" in out and m["cbserve_num_requests_running"] == 2)
     _, t2 = start_streams(big, {"late": gen_request([60] * 16, max_new=80, request_id=f"{tag}-late")}, out)
     for t in t0 + threads + t2:
