@@ -80,13 +80,14 @@ inline int64_t kv_tile(int64_t block_size, int64_t rows) {
 // kDecodeMaxRows rows (tokens x group heads, e.g. q_len 1-2) skip the tiled
 // micro-GEMM path; they stream K/V straight from the cache, 16 tokens at a
 // time, and keep an exact softmax over chunks of kDecodeChunk tokens (online
-// rescaling only between chunks). 32 rather than 16 or 64: the per-chunk
-// softmax (horizontal reductions, rescaling) is paid half as often, and the
-// next chunk's prefetch runs further ahead. A two-pass variant (all scores,
-// one softmax, then P.V) was slower: its single K-then-V prefetch stream does
+// rescaling only between chunks). 64 rather than 32: the per-chunk work
+// (softmax reductions and rescaling, masks, offsets, the prefetcher's
+// set-up) is paid half as often and the next chunk's prefetch runs further
+// ahead; 128 was slower at batch 64. A two-pass variant (all scores, one
+// softmax, then P.V) was slower: its single K-then-V prefetch stream does
 // not keep as many lines in flight (docs/native.md).
 constexpr int64_t kDecodeMaxRows = 16;
-constexpr int64_t kDecodeChunk = 32;  // multiple of 16
+constexpr int64_t kDecodeChunk = 64;  // multiple of 16
 
 // Whether an item takes the decode path (few query rows) rather than the tiled one.
 inline bool is_decode_item(const AttnItem& it, int64_t group) { return item_rows(it, group) <= kDecodeMaxRows; }
