@@ -26,10 +26,11 @@ def _run(x, w, bias=None):
     return fused.avx512_linear(x, fused.amx_pack_weight(w), w.shape[0], bias)
 
 
-# Rows cover every register-block height (1-6) and several blocks; features
-# cover 1-4 blocks a group, groups plus a remainder, and ragged last blocks;
-# K odd, below one tile and not a multiple of 32.
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 64])
+# Rows cover every register-block height (1-6) and several blocks of even
+# size (7: 4 + 3, 8: 4 + 4, 13: 5 + 4 + 4, 64: nine of 6 and two of 5);
+# features cover 1-4 blocks a group, groups plus a remainder, and ragged last
+# blocks; K odd, below one tile and not a multiple of 32.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 64])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (17, 64), (50, 40), (1, 33), (33, 1), (112, 31), (80, 577)])
 def test_matches_fp32_reference_up_to_bf16_rounding(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)

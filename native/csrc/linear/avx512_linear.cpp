@@ -136,19 +136,23 @@ CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb, int64_t rb, int6
   }
 }
 
-// Every row of x against feature blocks [nb, nb + NV), kMR rows at a time.
+// Every row of x against feature blocks [nb, nb + NV), in ceil(M / kMR) row
+// blocks of even size (8 rows: 4 + 4, not 6 + 2): each row block issues an
+// equal share of the next group's prefetches, so they must take equal time.
 template <int NV>
 CB_AVX512BF16 void all_rows(const Args& a, int64_t nb) {
-  const int64_t nrb = ceil_div(a.M, kMR);
-  int64_t m0 = 0, rb = 0;
-  for (; m0 + kMR <= a.M; m0 += kMR, ++rb) micro<kMR, NV>(a, m0, nb, rb, nrb);
-  switch (a.M - m0) {
-    case 1: micro<1, NV>(a, m0, nb, rb, nrb); break;
-    case 2: micro<2, NV>(a, m0, nb, rb, nrb); break;
-    case 3: micro<3, NV>(a, m0, nb, rb, nrb); break;
-    case 4: micro<4, NV>(a, m0, nb, rb, nrb); break;
-    case 5: micro<5, NV>(a, m0, nb, rb, nrb); break;
-    default: break;
+  const int64_t nrb = ceil_div(a.M, kMR), base = a.M / nrb, extra = a.M % nrb;
+  for (int64_t rb = 0, m0 = 0; rb < nrb; ++rb) {
+    const int64_t rows = base + (rb < extra ? 1 : 0);
+    switch (rows) {
+      case 1: micro<1, NV>(a, m0, nb, rb, nrb); break;
+      case 2: micro<2, NV>(a, m0, nb, rb, nrb); break;
+      case 3: micro<3, NV>(a, m0, nb, rb, nrb); break;
+      case 4: micro<4, NV>(a, m0, nb, rb, nrb); break;
+      case 5: micro<5, NV>(a, m0, nb, rb, nrb); break;
+      default: micro<kMR, NV>(a, m0, nb, rb, nrb); break;
+    }
+    m0 += rows;
   }
 }
 
