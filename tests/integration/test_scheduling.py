@@ -8,6 +8,7 @@ switch the scheduler section with SIGHUP, which is itself under test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,11 +27,15 @@ BLOCK_BYTES_TINY_FP32 = 2 * 2 * 16 * 2 * 64 * 4  # K+V x layers x block x kv hea
 
 
 # -- helpers ----------------------------------------------------------------------
-def _stream(server, req, out: dict, key) -> None:
+def _stream(server, req, out: dict, key, cancel: threading.Event | None = None) -> None:
+    """Records one stream under `key`; when `cancel` is set it hangs up at the
+    next message, as a client that goes away does."""
     rec = {"start": time.monotonic(), "first": None, "ids": [], "finish": None, "usage": None}
     try:
         with server.channel() as ch:
             for m in stub(ch).Generate(req, timeout=120):
+                if cancel is not None and cancel.is_set():
+                    break
                 if m.token_ids and rec["first"] is None:
                     rec["first"] = time.monotonic()
                 rec["ids"].extend(m.token_ids)
@@ -42,9 +47,11 @@ def _stream(server, req, out: dict, key) -> None:
     out[key] = rec
 
 
-def start_streams(server, reqs: dict, out: dict | None = None) -> tuple[dict, list[threading.Thread]]:
+def start_streams(
+    server, reqs: dict, out: dict | None = None, cancel: threading.Event | None = None
+) -> tuple[dict, list[threading.Thread]]:
     out = {} if out is None else out
-    threads = [threading.Thread(target=_stream, args=(server, r, out, k), daemon=True) for k, r in reqs.items()]
+    threads = [threading.Thread(target=_stream, args=(server, r, out, k, cancel), daemon=True) for k, r in reqs.items()]
     for t in threads:
         t.start()
     return out, threads
@@ -97,6 +104,27 @@ def wait_metric(server, pred, timeout: float = 20.0) -> dict:
             return m
         assert time.monotonic() < end, "metric condition not reached"
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def executor_held(server):
+    """Stops the server's executor (SIGSTOP) for the block and resumes it
+    however the block ends. While it is held no step completes, so whatever
+    runs keeps running and whatever arrives queues behind it, however slow
+    this machine is to connect the new streams; the router keeps answering."""
+    exe = server.executor_pid()
+    os.kill(exe, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(exe, signal.SIGCONT)
+
+
+def wait_submitted(server, since: float, tokens: int) -> None:
+    """Waits until `tokens` prompt tokens arrived after the counter read
+    `since` (the counter moves at submission; the queue gauges only at step
+    boundaries, so they stand still while the executor is held)."""
+    wait_metric(server, lambda m: m["cbserve_prompt_tokens_total"] - since == tokens)
 
 
 def pressure_requests(n: int = 8, prompt_len: int = 20, max_new: int = 60) -> dict:
@@ -239,18 +267,13 @@ def test_sighup_switches_policy_mid_run_without_losing_requests(big):
         for i in range(16)
     }
     # The executor is held while the 16 streams connect, so all of them are in
-    # the queue at once whatever this machine's speed (the prompt counter moves
-    # at submission; the queue gauges only at step boundaries); four run at a
-    # time, so after resuming there are three finishing rounds in which tokens
-    # flow and requests still wait.
-    exe = big.executor_pid()
+    # the queue at once whatever this machine's speed; four run at a time, so
+    # after resuming there are three finishing rounds in which tokens flow and
+    # requests still wait.
     submitted = big.metrics()["cbserve_prompt_tokens_total"]
-    os.kill(exe, signal.SIGSTOP)
-    try:
+    with executor_held(big):
         out, threads = start_streams(big, reqs)
-        wait_metric(big, lambda m: m["cbserve_prompt_tokens_total"] - submitted == 16 * 12)
-    finally:
-        os.kill(exe, signal.SIGCONT)
+        wait_submitted(big, submitted, 16 * 12)
     wait_metric(big, lambda m: m["cbserve_generation_tokens_total"] > 0 and m["cbserve_num_requests_waiting"] > 0)
     reconfigure(big, {"policy": "priority", "max_num_seqs": 4})
     for t in threads:
@@ -293,8 +316,14 @@ def test_priority_request_overtakes_running_low_priority_ones(big):
     lows = {f"low{i}": gen_request([10 + i] * 16, max_new=400, priority=0) for i in range(4)}
     out, threads = start_streams(big, lows)
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 2 and m["cbserve_num_requests_waiting"] == 2)
-    _stream(big, gen_request([99] * 16, max_new=20, priority=10), out, "high")
-    for t in threads:
+    # Held while the high-priority stream connects: the first two low ones
+    # cannot finish (and free their seats) before it is queued.
+    submitted = big.metrics()["cbserve_prompt_tokens_total"]
+    with executor_held(big):
+        assert not out, "the low-priority requests must still run when the high one arrives"
+        _, t_high = start_streams(big, {"high": gen_request([99] * 16, max_new=20, priority=10)}, out)
+        wait_submitted(big, submitted, 16)
+    for t in threads + t_high:
         t.join(120)
     assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
     assert len(out["high"]["ids"]) == 20
@@ -321,15 +350,19 @@ def test_sjf_runs_the_short_job_before_the_long_one(big):
     ids = {k: f"{tag}-{k}" for k in ("occupier", "long", "short")}
     out, threads = start_streams(big, {"occupier": gen_request([20] * 16, max_new=600, request_id=ids["occupier"])})
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1 and m["cbserve_generation_tokens_total"] > 0)
-    _, t2 = start_streams(
-        big, {"long": gen_request([30] * 16, max_new=200, expected_output_tokens=200, request_id=ids["long"])}, out
-    )
-    wait_metric(big, lambda m: m["cbserve_num_requests_waiting"] == 1)
-    _, t3 = start_streams(
-        big, {"short": gen_request([40] * 16, max_new=10, expected_output_tokens=10, request_id=ids["short"])}, out
-    )
-    wait_metric(big, lambda m: m["cbserve_num_requests_waiting"] == 2)
-    assert "occupier" not in out, "both jobs must queue while the seat is taken"
+    # Held while both jobs connect (the long one first): the occupier cannot
+    # finish and hand its seat to the long one before the short one is queued.
+    submitted = big.metrics()["cbserve_prompt_tokens_total"]
+    with executor_held(big):
+        assert "occupier" not in out, "both jobs must queue while the seat is taken"
+        _, t2 = start_streams(
+            big, {"long": gen_request([30] * 16, max_new=200, expected_output_tokens=200, request_id=ids["long"])}, out
+        )
+        wait_submitted(big, submitted, 16)
+        _, t3 = start_streams(
+            big, {"short": gen_request([40] * 16, max_new=10, expected_output_tokens=10, request_id=ids["short"])}, out
+        )
+        wait_submitted(big, submitted, 32)
     for t in threads + t2 + t3:
         t.join(120)
     assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
@@ -347,29 +380,31 @@ def test_sjf_runs_the_short_job_before_the_long_one(big):
 def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
     reconfigure(big, {"policy": policy, "static_batch_size": 2})
     tag = f"{policy}-{time.monotonic_ns()}"
-    # A first request runs alone so that the two batch requests queue together
+    # A warm-up runs alone so that the two batch requests queue together
     # (static admits whatever waits when nothing runs) and start as one batch.
-    # The executor is held while both connect: on a loaded machine the first
-    # could otherwise arrive after the warm-up ended and start a batch alone.
-    out, t0 = start_streams(big, {"warmup": gen_request([45] * 16, max_new=300)})
+    # Its length does not decide when it ends: it is cancelled once both batch
+    # requests are in, and the executor is held while they connect, so on no
+    # machine can the warm-up end first and let one start a batch alone.
+    cancel = threading.Event()
+    out, t0 = start_streams(big, {"warmup": gen_request([45] * 16, max_new=2000)}, cancel=cancel)
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 1)
-    # 1,000 steps: at ~1 ms a step the batch still has hundreds left however
-    # long the newcomer takes to arrive.
-    batch = {f"b{i}": gen_request([50 + i] * 16, max_new=1000, request_id=f"{tag}-b{i}") for i in range(2)}
-    exe = big.executor_pid()
     submitted = big.metrics()["cbserve_prompt_tokens_total"]
-    os.kill(exe, signal.SIGSTOP)
     try:
-        _, threads = start_streams(big, batch, out)
-        wait_metric(big, lambda m: m["cbserve_prompt_tokens_total"] - submitted == 2 * 16)
-        assert "warmup" not in out, "the warm-up must still run when the batch arrives"
+        with executor_held(big):
+            assert "warmup" not in out, "the warm-up must still run when the batch arrives"
+            # 1,000 steps: at ~1 ms a step the batch still has hundreds left
+            # however long the newcomer takes to arrive.
+            batch = {f"b{i}": gen_request([50 + i] * 16, max_new=1000, request_id=f"{tag}-b{i}") for i in range(2)}
+            _, threads = start_streams(big, batch, out)
+            wait_submitted(big, submitted, 2 * 16)
     finally:
-        os.kill(exe, signal.SIGCONT)
+        cancel.set()
     wait_metric(big, lambda m: "warmup" in out and m["cbserve_num_requests_running"] == 2)
     _, t2 = start_streams(big, {"late": gen_request([60] * 16, max_new=80, request_id=f"{tag}-late")}, out)
     for t in t0 + threads + t2:
         t.join(120)
-    assert all(r["finish"] == gpb.LENGTH for r in out.values()), out
+    assert out["warmup"]["finish"] is None and "error" not in out["warmup"], out["warmup"]
+    assert all(r["finish"] == gpb.LENGTH for k, r in out.items() if k != "warmup"), out
     # Server-side records (see test_sjf_...): finishing order, and how long the
     # newcomer queued against how long it then ran (80 steps: long enough that
     # one stall of the router while it joins cannot outlast its run).
