@@ -139,10 +139,11 @@ CB_DP_ATTN static inline void prefill_rows_init(const AttnParams& p, const AttnI
                                                 uint16_t* Qb, float* Acc, float* mrow, float* lrow) {
   const int64_t D = p.head_dim;
   const uint16_t* qsrc = static_cast<const uint16_t*>(p.query);
+  RowCursor rows(p, it);
   for (int64_t r = 0; r < Mpad; ++r) {
     uint16_t* qr = Qb + r * D;
     if (r < M) {
-      __builtin_memcpy(qr, qsrc + row_offset(p, it, r), D * 2);
+      __builtin_memcpy(qr, qsrc + rows.next(), D * 2);
       for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(Acc + r * D + d, _mm512_setzero_ps());
       mrow[r] = -__builtin_inff();
       lrow[r] = 0.f;

@@ -251,14 +251,15 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
 // online_softmax_row for the M (<= 16) rows of a decode chunk at once, in
 // phases over all rows so that no row's reductions wait on another's: the
 // rows' maxima, then every row's correction exp(m_old - m_new) in one vector
-// exp (no scalar libm call between the rows), then the exponentials and
-// sums. Rows with skip[r] (nothing visible in this chunk) are all zero on
-// entry and keep their state, as do rows masked out entirely. Same results as online_softmax_row up to the
-// rounding of the corrections.
+// exp (no scalar libm call between the rows), then the exponentials, then
+// the sums and rescales. Rows with skip[r] (nothing visible in this chunk)
+// are all zero on entry and keep their state, as do rows masked out
+// entirely. Same results as online_softmax_row up to the rounding of the
+// corrections.
 static inline void online_softmax_rows(float* S, int64_t lds, int64_t M, int64_t ncols, const bool* skip, float* m,
                                        float* l, float* Acc, int64_t DP) {
   const float ninf = -__builtin_inff();
-  alignas(64) float mnew[16], diff[16], corr[16];
+  alignas(64) float mnew[16], diff[16], corr[16], sums[16 * V::W];
   bool none[16];
   for (int64_t r = 0; r < 16; ++r) diff[r] = 0.f;
   for (int64_t r = 0; r < M; ++r) {
@@ -287,13 +288,19 @@ static inline void online_softmax_rows(float* S, int64_t lds, int64_t M, int64_t
       V::store(s + c, e);
       sum = V::add(sum, e);
     }
-    l[r] = l[r] * corr[r] + V::hsum(sum);
+    V::store(sums + r * V::W, sum);
+  }
+  // The rows' horizontal sums and rescales after all their exponentials, so
+  // that no row's reduction chain waits on the previous one. The rescale is
+  // unconditional: corr is exactly 1 where the max did not move, and a
+  // multiply is cheaper than the mispredicted branch around it.
+  for (int64_t r = 0; r < M; ++r) {
+    if (none[r]) continue;
+    l[r] = l[r] * corr[r] + V::hsum(V::load(sums + r * V::W));
     m[r] = mnew[r];
-    if (corr[r] != 1.f) {
-      float* acc = Acc + r * DP;
-      const typename V::R cv = V::set1(corr[r]);
-      for (int64_t d = 0; d < DP; d += V::W) V::store(acc + d, V::mul(V::load(acc + d), cv));
-    }
+    float* acc = Acc + r * DP;
+    const typename V::R cv = V::set1(corr[r]);
+    for (int64_t d = 0; d < DP; d += V::W) V::store(acc + d, V::mul(V::load(acc + d), cv));
   }
 }
 
@@ -318,13 +325,31 @@ static inline void mask_row(const AttnParams& p, float* s, int64_t ncols, int64_
 }
 
 // An item's rows are (KV head h, query token i, head g of the GQA group),
-// r = (h * nq + i) * G + g. Element offset of row r's query / output vector
-// in the [T, Hq, D] tensors.
-static inline int64_t row_offset(const AttnParams& p, const AttnItem& it, int64_t r) {
-  const int64_t G = p.hq / p.hkv, Mh = (it.q_end - it.q_begin) * G;
-  const int64_t h = it.kv_head + r / Mh, i = (r % Mh) / G, g = r % G;
-  return ((p.cu_seqlens[it.seq] + it.q_begin + i) * p.hq + h * G + g) * p.head_dim;
-}
+// r = (h * nq + i) * G + g. RowCursor walks them in that order and gives
+// each row's element offset of its query / output vector in the [T, Hq, D]
+// tensors: nested steps instead of a division and two remainders a row.
+class RowCursor {
+ public:
+  RowCursor(const AttnParams& p, const AttnItem& it)
+      : D_(p.head_dim), G_(p.hq / p.hkv), nq_(it.q_end - it.q_begin), tok_(p.hq * p.head_dim) {
+    head_ = ((p.cu_seqlens[it.seq] + it.q_begin) * p.hq + it.kv_head * G_) * D_;
+    row_ = head_;
+  }
+  // The current row's offset; moves to the next row.
+  int64_t next() {
+    const int64_t off = row_ + g_ * D_;
+    if (++g_ == G_) {
+      g_ = 0;
+      row_ += tok_;
+      if (++i_ == nq_) i_ = 0, head_ += G_ * D_, row_ = head_;
+    }
+    return off;
+  }
+
+ private:
+  const int64_t D_, G_, nq_, tok_;
+  int64_t head_, row_, i_ = 0, g_ = 0;
+};
 
 // Loads the item's scaled fp32 query rows Qf [M, DP] (zero beyond D) and
 // resets the online-softmax state: Acc [M, DP] = 0, max = -inf, sum = 0.
@@ -333,9 +358,10 @@ static inline void init_rows(const AttnParams& p, const AttnItem& it, float* Qf,
   const int64_t D = p.head_dim, M = cbserve_native::item_rows(it, p.hq / p.hkv);
   const int64_t esize = cbserve_native::elem_size(p.dtype);
   const char* qbase = static_cast<const char*>(p.query);
+  RowCursor rows(p, it);
   for (int64_t r = 0; r < M; ++r) {
     float* qr = Qf + r * DP;
-    V::to_f32(qbase + row_offset(p, it, r) * esize, p.dtype, qr, D);
+    V::to_f32(qbase + rows.next() * esize, p.dtype, qr, D);
     for (int64_t d = 0; d < D; ++d) qr[d] *= p.scale;
     for (int64_t d = D; d < DP; ++d) qr[d] = 0.f;
     float* ar = Acc + r * DP;
@@ -350,12 +376,13 @@ static inline void store_rows(const AttnParams& p, const AttnItem& it, float* Ac
   const int64_t D = p.head_dim, M = cbserve_native::item_rows(it, p.hq / p.hkv);
   const int64_t esize = cbserve_native::elem_size(p.dtype);
   char* obase = static_cast<char*>(p.out);
+  RowCursor rows(p, it);
   for (int64_t r = 0; r < M; ++r) {
     float* a = Acc + r * DP;
     const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
     const typename V::R iv = V::set1(inv);
     for (int64_t d = 0; d < DP; d += V::W) V::store(a + d, V::mul(V::load(a + d), iv));
-    V::from_f32(a, p.dtype, obase + row_offset(p, it, r) * esize, D);
+    V::from_f32(a, p.dtype, obase + rows.next() * esize, D);
   }
 }
 
@@ -370,13 +397,15 @@ static_assert(cbserve_native::kDecodeMaxRows <= 16, "mrow/lrow hold 16 floats ea
 static_assert(cbserve_native::kDecodeChunk % 16 == 0, "chunk");
 
 // Element offsets of tokens [c0, c0 + n)'s cache rows at item `it`'s first
-// KV head (walked without divisions); head j of the item is j * D further.
+// KV head; head j of the item is j * D further. One block's tokens are a
+// fixed stride apart, so each block costs one multiply and each token an add.
 static inline void item_offsets(const AttnParams& p, const AttnItem& it, int64_t c0, int64_t n, int64_t* o) {
-  const int64_t bs = p.block_size;
+  const int64_t bs = p.block_size, tok = p.hkv * p.head_dim;
   const int32_t* table = p.block_tables + it.seq * p.max_blocks;
-  for (int64_t t = 0, blk = c0 / bs, in_blk = c0 % bs; t < n; ++t) {
-    o[t] = ((int64_t(table[blk]) * bs + in_blk) * p.hkv + it.kv_head) * p.head_dim;
-    if (++in_blk == bs) in_blk = 0, ++blk;
+  for (int64_t t = 0, blk = c0 / bs, in_blk = c0 % bs; t < n; ++blk, in_blk = 0) {
+    const int64_t end = cb_min(n, t + bs - in_blk);
+    int64_t off = (int64_t(table[blk]) * bs + in_blk) * tok + it.kv_head * p.head_dim;
+    for (; t < end; ++t, off += tok) o[t] = off;
   }
 }
 
