@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -102,3 +105,17 @@ def popen_serve(*args: str, port: str = "0", **kw):
 
     cmd = serve_command(*args, port=port)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@contextlib.contextmanager
+def executor_held(server):
+    """Stops the server's executor (SIGSTOP) for the block and resumes it
+    however the block ends. While it is held no step completes, so whatever
+    runs keeps running and whatever arrives queues behind it, however slow
+    this machine is to connect the new streams; the router keeps answering."""
+    exe = server.executor_pid()
+    os.kill(exe, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(exe, signal.SIGCONT)

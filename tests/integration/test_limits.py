@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from tests.conftest import start_server
-from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.integration.helpers import executor_held, gen_request, stub, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -306,27 +306,20 @@ def test_tokenizer_threads_run_at_the_configured_niceness(strict_server):
 
 
 def test_queued_bytes_limit_refuses_what_would_exceed_it():
-    import os
-    import signal
-
     server = start_server(
         "tiny",
         config={"scheduler": {"max_num_seqs": 1}, "limits": {"max_queued_bytes": 100}},
     )
-    exe = server.executor_pid()
     try:
         with server.channel() as ch:
             s = stub(ch)
             running = _start_long(s)
-            os.kill(exe, signal.SIGSTOP)  # "running" holds the seat; the queue stays as it is
-            try:
+            with executor_held(server):  # "running" holds the seat; the queue stays as it is
                 waiting = s.Generate(gen_request([5] * 40, max_new=2))  # 48 bytes: fits
                 time.sleep(0.5)
                 with pytest.raises(grpc.RpcError) as err:
                     s.Complete(gen_request([5] * 80, max_new=2), timeout=30)  # 88 more: do not
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes" in err.value.details()
-            finally:
-                os.kill(exe, signal.SIGCONT)
             for c in running:
                 c.cancel()
             assert len([m for m in waiting for _ in m.token_ids]) == 2

@@ -8,9 +8,7 @@ switch the scheduler section with SIGHUP, which is itself under test.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import signal
 import threading
@@ -21,7 +19,7 @@ import yaml
 
 from cbserve.v1 import generation_pb2 as gpb
 from tests.conftest import start_server
-from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.integration.helpers import executor_held, gen_request, stub, wait_idle
 
 BLOCK_BYTES_TINY_FP32 = 2 * 2 * 16 * 2 * 64 * 4  # K+V x layers x block x kv heads x head dim x fp32
 
@@ -104,20 +102,6 @@ def wait_metric(server, pred, timeout: float = 20.0) -> dict:
             return m
         assert time.monotonic() < end, "metric condition not reached"
         time.sleep(0.02)
-
-
-@contextlib.contextmanager
-def executor_held(server):
-    """Stops the server's executor (SIGSTOP) for the block and resumes it
-    however the block ends. While it is held no step completes, so whatever
-    runs keeps running and whatever arrives queues behind it, however slow
-    this machine is to connect the new streams; the router keeps answering."""
-    exe = server.executor_pid()
-    os.kill(exe, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(exe, signal.SIGCONT)
 
 
 def wait_submitted(server, since: float, tokens: int) -> None:
