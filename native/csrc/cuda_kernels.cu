@@ -22,6 +22,13 @@
 // (16-byte rows, GQA group of at most 8): a block per (partition, KV head,
 // sequence) reads each K and V row once, 16 bytes per thread, for all G query
 // heads of the group at once; see its comment.
+//
+// Both kernels take the CPU kernels' sliding window and soft cap (Mask): a
+// row at position pos sees KV [pos - window + 1, pos] (window 0: [0, pos]),
+// and each scaled score s becomes cap * tanh(s / cap) (cap 0: unchanged).
+// KV before the window of a block's earliest row is not read at all; a split
+// decode partition wholly before its sequence's window writes no partial
+// result, and combine_splits_kernel starts after such partitions.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -38,6 +45,20 @@ constexpr int kRows = 8;   // warps (rows) per block
 constexpr int kTile = 32;  // KV tokens per shared-memory tile
 constexpr int kMaxDPerLane = CBSERVE_CUDA_MAX_HEAD_DIM / 32;
 constexpr int kMaxSplits = 32;  // partitions per sequence, at most (bounds the workspace)
+
+struct Mask {
+  int window;  // > 0: a row at pos sees KV [pos - window + 1, pos]
+  float cap;   // > 0: scores become cap * tanh(s / cap)
+};
+
+__device__ __forceinline__ float soft_cap(float s, const Mask& mask) {
+  return mask.cap > 0.f ? mask.cap * tanhf(s / mask.cap) : s;
+}
+
+// First KV token a row at position pos sees.
+__device__ __forceinline__ int window_lo(int pos, const Mask& mask) {
+  return mask.window > 0 ? max(0, pos - mask.window + 1) : 0;
+}
 
 // Where a split launch writes its partial results: for partition s, query
 // token t and query head hh, index i = (s * num_tokens + t) * hq + hh:
@@ -56,7 +77,7 @@ __global__ void __launch_bounds__(kRows * 32)
     paged_attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ key_cache,
                            const T* __restrict__ value_cache, const int32_t* __restrict__ block_tables,
                            const int32_t* __restrict__ cu_seqlens, const int32_t* __restrict__ seq_lens, int max_blocks,
-                           int hq, int hkv, int D, int bs, float scale, SplitKV split) {
+                           int hq, int hkv, int D, int bs, float scale, Mask mask, SplitKV split) {
   const int b = blockIdx.z, h = blockIdx.y;
   const int G = hq / hkv;
   const int q0 = cu_seqlens[b];
@@ -72,15 +93,18 @@ __global__ void __launch_bounds__(kRows * 32)
   const bool active = row < rows;
   const int i = active ? row / G : 0;
   const int g = active ? row % G : 0;
-  const int pos = ctx + i;  // this row's position; it sees KV [0, pos]
+  const int pos = ctx + i;  // this row's position; it sees KV [lo, pos]
+  const int lo = window_lo(pos, mask);
   const int last_row = min(rows, row0 + kRows) - 1;
   int kv_hi = ctx + last_row / G + 1;  // KV range any row of the block sees
-  int kv_lo = 0;
+  int kv_lo = window_lo(ctx + row0 / G, mask);
   if (kSplit) {
-    kv_lo = part * split.part_tokens;
-    if (kv_lo >= kv_hi) return;  // past this sequence's context (uniform: before any barrier)
-    kv_hi = min(kv_hi, kv_lo + split.part_tokens);
+    const int p_lo = part * split.part_tokens;
+    if (p_lo >= kv_hi) return;  // past this sequence's context (uniform: before any barrier)
+    kv_hi = min(kv_hi, p_lo + split.part_tokens);
+    kv_lo = max(kv_lo, p_lo);
   }
+  if (kv_lo >= kv_hi) return;  // a split partition before the window (uniform)
 
   extern __shared__ float smem[];
   const int ld = D + 1;         // padded: lane t reads row t of Ks without bank conflicts
@@ -112,11 +136,11 @@ __global__ void __launch_bounds__(kRows * 32)
     __syncthreads();
     if (!active) continue;
     float s = -INFINITY;
-    if (lane < n && t0 + lane <= pos) {
+    if (lane < n && t0 + lane <= pos && t0 + lane >= lo) {
       const float* kr = Ks + lane * ld;
       float dot = 0.f;
       for (int d = 0; d < D; ++d) dot = fmaf(q_row[d], kr[d], dot);
-      s = dot;
+      s = soft_cap(dot, mask);
     }
     const float mx = warp_max(s);
     if (mx == -INFINITY) continue;  // warp-uniform: nothing visible in this tile
@@ -212,15 +236,18 @@ __global__ void __launch_bounds__(kDecThreads)
     decode_attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ key_cache,
                             const T* __restrict__ value_cache, const int32_t* __restrict__ block_tables,
                             const int32_t* __restrict__ cu_seqlens, const int32_t* __restrict__ seq_lens,
-                            int max_blocks, int hq, int hkv, int D, int bs, float scale, SplitKV split) {
+                            int max_blocks, int hq, int hkv, int D, int bs, float scale, Mask mask, SplitKV split) {
   constexpr int VE = Vec16<T>::n;
   const int b = blockIdx.z, h = blockIdx.y, part = blockIdx.x;
   const int q0 = cu_seqlens[b];
   if (cu_seqlens[b + 1] == q0) return;  // no query token (uniform: before any barrier)
   const int kv_len = seq_lens[b];
-  const int kv_lo = part * split.part_tokens;
-  if (kv_lo >= kv_len) return;
-  const int kv_hi = min(kv_len, kv_lo + split.part_tokens);
+  const int p_lo = part * split.part_tokens;
+  if (p_lo >= kv_len) return;
+  const int kv_hi = min(kv_len, p_lo + split.part_tokens);
+  // Every token of [kv_lo, kv_hi) is visible to the sequence's one position.
+  const int kv_lo = max(p_lo, window_lo(kv_len - 1, mask));
+  if (kv_lo >= kv_hi) return;  // wholly before the window: combine_splits_kernel skips it
   const bool whole = kv_len <= split.part_tokens;
   const int G = hq / hkv;
   const int TG = D / VE;               // threads per token row (a power of two, <= 32)
@@ -277,7 +304,7 @@ __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
         for (int e = 0; e < VE; ++e) d = fmaf(q[g][e], k[e], d);
         for (int o = TG >> 1; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        if (sub == 0) s_p[g][t] = valid ? d : -INFINITY;
+        if (sub == 0) s_p[g][t] = valid ? soft_cap(d, mask) : -INFINITY;
       }
     }
     __syncthreads();
@@ -350,30 +377,31 @@ __global__ void __launch_bounds__(kDecThreads)
 
 // One block per (sequence, query head) of a split decode launch: the
 // partitions' partial results weighted by exp(max_s - max), summed,
-// normalised. A sequence's token sees KV [0, kv_len): partitions
-// 0 .. ceil(kv_len / part_tokens) - 1 were written, each with at least one
-// visible token.
+// normalised. A sequence's token sees KV [lo, kv_len) (lo = 0 without a
+// window): partitions lo / part_tokens .. ceil(kv_len / part_tokens) - 1
+// were written, each with at least one visible token.
 template <typename T>
 __global__ void combine_splits_kernel(T* __restrict__ out, const int32_t* __restrict__ cu_seqlens,
-                                      const int32_t* __restrict__ seq_lens, int hq, int D, SplitKV split) {
+                                      const int32_t* __restrict__ seq_lens, int hq, int D, Mask mask, SplitKV split) {
   const int b = blockIdx.x, hh = blockIdx.y;
   const int t = cu_seqlens[b];
   if (cu_seqlens[b + 1] == t) return;
   const int parts = (seq_lens[b] + split.part_tokens - 1) / split.part_tokens;
   if (split.direct && parts == 1) return;  // written by the decode kernel itself
+  const int first = window_lo(seq_lens[b] - 1, mask) / split.part_tokens;
   const size_t stride = size_t(split.num_tokens) * hq;
   const size_t base = size_t(t) * hq + hh;
   float mx = -INFINITY;
-  for (int s = 0; s < parts; ++s) mx = fmaxf(mx, split.ml[2 * (s * stride + base)]);
+  for (int s = first; s < parts; ++s) mx = fmaxf(mx, split.ml[2 * (s * stride + base)]);
   float sum = 0.f;
-  for (int s = 0; s < parts; ++s) {
+  for (int s = first; s < parts; ++s) {
     const size_t i = s * stride + base;
     sum += __expf(split.ml[2 * i] - mx) * split.ml[2 * i + 1];
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
-    for (int s = 0; s < parts; ++s) {
+    for (int s = first; s < parts; ++s) {
       const size_t i = s * stride + base;
       o = fmaf(__expf(split.ml[2 * i] - mx), split.acc[i * D + d], o);
     }
@@ -439,10 +467,11 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 template <typename T, int kG>
 cudaError_t launch_decode_g(T* out, const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* cu,
                             const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq, int64_t hkv, int64_t D,
-                            int64_t bs, float scale, int64_t parts, const SplitKV& split, cudaStream_t stream) {
+                            int64_t bs, float scale, const Mask& mask, int64_t parts, const SplitKV& split,
+                            cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(parts), static_cast<unsigned>(hkv), static_cast<unsigned>(B));
   decode_attention_kernel<T, kG><<<grid, kDecThreads, 0, stream>>>(out, q, kc, vc, bt, cu, sl, int(max_blocks), int(hq),
-                                                                   int(hkv), int(D), int(bs), scale, split);
+                                                                   int(hkv), int(D), int(bs), scale, mask, split);
   return cudaGetLastError();
 }
 
@@ -453,7 +482,7 @@ cudaError_t launch_decode_g(T* out, const T* q, const T* kc, const T* vc, const 
 template <typename T>
 cudaError_t launch_decode(void* out, const void* q, const void* kc, const void* vc, const int32_t* bt,
                           const int32_t* cu, const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq, int64_t hkv,
-                          int64_t D, int64_t bs, float scale, float* workspace, int64_t num_tokens,
+                          int64_t D, int64_t bs, float scale, const Mask& mask, float* workspace, int64_t num_tokens,
                           cudaStream_t stream) {
   constexpr int64_t VE = Vec16<T>::n;
   const int64_t G = hq / hkv, TG = D / VE;
@@ -479,27 +508,35 @@ cudaError_t launch_decode(void* out, const void* q, const void* kc, const void* 
   const auto* vp = static_cast<const T*>(vc);
   cudaError_t err;
   if (G <= 1) {
-    err = launch_decode_g<T, 1>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, parts, split, stream);
+    err = launch_decode_g<T, 1>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, mask, parts, split,
+                                stream);
   } else if (G <= 2) {
-    err = launch_decode_g<T, 2>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, parts, split, stream);
+    err = launch_decode_g<T, 2>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, mask, parts, split,
+                                stream);
   } else if (G <= 4) {
-    err = launch_decode_g<T, 4>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, parts, split, stream);
+    err = launch_decode_g<T, 4>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, mask, parts, split,
+                                stream);
   } else {
-    err = launch_decode_g<T, 8>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, parts, split, stream);
+    err = launch_decode_g<T, 8>(o, qp, kp, vp, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, mask, parts, split,
+                                stream);
   }
   if (err != cudaSuccess || parts < 2) return err;
   const dim3 cgrid(static_cast<unsigned>(B), static_cast<unsigned>(hq));
-  combine_splits_kernel<T><<<cgrid, 64, 0, stream>>>(o, cu, sl, int(hq), int(D), split);
+  combine_splits_kernel<T><<<cgrid, 64, 0, stream>>>(o, cu, sl, int(hq), int(D), mask, split);
   return cudaGetLastError();
 }
 
 template <typename T>
 int launch_attention(void* out, const void* q, const void* kc, const void* vc, const int32_t* bt, const int32_t* cu,
                      const int32_t* sl, int64_t B, int64_t max_blocks, int64_t hq, int64_t hkv, int64_t D, int64_t bs,
-                     int64_t max_q_len, float scale, float* workspace, int64_t num_tokens, cudaStream_t stream) {
+                     int64_t max_q_len, float scale, int64_t window, float softcap, float* workspace,
+                     int64_t num_tokens, cudaStream_t stream) {
   if (B == 0 || max_q_len == 0) return 0;
-  if (D <= 0 || D > CBSERVE_CUDA_MAX_HEAD_DIM || hkv <= 0 || hq % hkv != 0 || B > 65535 || hkv > 65535)
+  if (D <= 0 || D > CBSERVE_CUDA_MAX_HEAD_DIM || hkv <= 0 || hq % hkv != 0 || B > 65535 || hkv > 65535 || window < 0 ||
+      !(softcap >= 0.f))
     return int(cudaErrorInvalidValue);
+  // A window past any int position is no window (positions are int32).
+  const Mask mask{window > INT32_MAX ? 0 : int(window), softcap};
   const int64_t G = hq / hkv;
   const int64_t tiles = (max_q_len * G + kRows - 1) / kRows;
   const size_t smem = attention_smem(D);
@@ -507,7 +544,7 @@ int launch_attention(void* out, const void* q, const void* kc, const void* vc, c
   const auto* kp = static_cast<const T*>(kc);
   const auto* vp = static_cast<const T*>(vc);
   if (max_q_len == 1) {
-    const cudaError_t err = launch_decode<T>(out, q, kc, vc, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale,
+    const cudaError_t err = launch_decode<T>(out, q, kc, vc, bt, cu, sl, B, max_blocks, hq, hkv, D, bs, scale, mask,
                                              workspace, num_tokens, stream);
     if (err != cudaErrorNotSupported) return int(err);
   }
@@ -517,7 +554,7 @@ int launch_attention(void* out, const void* q, const void* kc, const void* vc, c
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(hkv), static_cast<unsigned>(B));
     paged_attention_kernel<T, false><<<grid, kRows * 32, smem, stream>>>(static_cast<T*>(out), qp, kp, vp, bt, cu, sl,
                                                                          int(max_blocks), int(hq), int(hkv), int(D),
-                                                                         int(bs), scale, SplitKV{});
+                                                                         int(bs), scale, mask, SplitKV{});
     return int(cudaGetLastError());
   }
   const int64_t part = part_tokens_for(max_blocks * bs);
@@ -527,12 +564,13 @@ int launch_attention(void* out, const void* q, const void* kc, const void* vc, c
   const cudaError_t raised = allow_smem<T, true>();
   if (raised != cudaSuccess) return int(raised);
   const dim3 grid(static_cast<unsigned>(tiles * parts), static_cast<unsigned>(hkv), static_cast<unsigned>(B));
-  paged_attention_kernel<T, true><<<grid, kRows * 32, smem, stream>>>(
-      static_cast<T*>(out), qp, kp, vp, bt, cu, sl, int(max_blocks), int(hq), int(hkv), int(D), int(bs), scale, split);
+  paged_attention_kernel<T, true><<<grid, kRows * 32, smem, stream>>>(static_cast<T*>(out), qp, kp, vp, bt, cu, sl,
+                                                                      int(max_blocks), int(hq), int(hkv), int(D),
+                                                                      int(bs), scale, mask, split);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return int(err);
   const dim3 cgrid(static_cast<unsigned>(B), static_cast<unsigned>(hq));
-  combine_splits_kernel<T><<<cgrid, 64, 0, stream>>>(static_cast<T*>(out), cu, sl, int(hq), int(D), split);
+  combine_splits_kernel<T><<<cgrid, 64, 0, stream>>>(static_cast<T*>(out), cu, sl, int(hq), int(D), mask, split);
   return int(cudaGetLastError());
 }
 
@@ -552,22 +590,22 @@ extern "C" int cbserve_paged_attention_cuda(int dtype, void* out, const void* qu
                                             const void* value_cache, const int32_t* block_tables,
                                             const int32_t* cu_seqlens_q, const int32_t* seq_lens, int64_t num_seqs,
                                             int64_t max_blocks, int64_t hq, int64_t hkv, int64_t head_dim,
-                                            int64_t block_size, int64_t max_q_len, float scale, float* workspace,
-                                            int64_t num_tokens, void* stream) {
+                                            int64_t block_size, int64_t max_q_len, float scale, int64_t sliding_window,
+                                            float softcap, float* workspace, int64_t num_tokens, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case 0:
       return launch_attention<float>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, num_seqs,
-                                     max_blocks, hq, hkv, head_dim, block_size, max_q_len, scale, workspace, num_tokens,
-                                     s);
+                                     max_blocks, hq, hkv, head_dim, block_size, max_q_len, scale, sliding_window,
+                                     softcap, workspace, num_tokens, s);
     case 1:
       return launch_attention<__nv_bfloat16>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                                              num_seqs, max_blocks, hq, hkv, head_dim, block_size, max_q_len, scale,
-                                             workspace, num_tokens, s);
+                                             sliding_window, softcap, workspace, num_tokens, s);
     case 2:
       return launch_attention<__half>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                                      num_seqs, max_blocks, hq, hkv, head_dim, block_size, max_q_len, scale, workspace,
-                                      num_tokens, s);
+                                      num_seqs, max_blocks, hq, hkv, head_dim, block_size, max_q_len, scale,
+                                      sliding_window, softcap, workspace, num_tokens, s);
     default: return int(cudaErrorInvalidValue);
   }
 }

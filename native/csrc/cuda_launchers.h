@@ -16,12 +16,15 @@ extern "C" {
 // All pointers are device pointers; arguments must have been validated.
 // workspace: cbserve_paged_attention_workspace_floats(...) floats of device
 // memory when that is not 0 (a decode launch split over the KV range), else
-// nullptr; num_tokens is the query's T.
+// nullptr; num_tokens is the query's T. sliding_window > 0: a query at
+// position p sees keys [p - sliding_window + 1, p]; softcap > 0: scaled
+// scores s become softcap * tanh(s / softcap) (0: neither; as on the CPU).
 int cbserve_paged_attention_cuda(int dtype, void* out, const void* query, const void* key_cache,
                                  const void* value_cache, const int32_t* block_tables, const int32_t* cu_seqlens_q,
                                  const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks, int64_t hq, int64_t hkv,
-                                 int64_t head_dim, int64_t block_size, int64_t max_q_len, float scale, float* workspace,
-                                 int64_t num_tokens, void* stream);
+                                 int64_t head_dim, int64_t block_size, int64_t max_q_len, float scale,
+                                 int64_t sliding_window, float softcap, float* workspace, int64_t num_tokens,
+                                 void* stream);
 
 // Floats of workspace a launch with these sizes needs (0: it does not split).
 // CBSERVE_CUDA_SPLIT_KV=0 in the environment turns splitting off.

@@ -146,7 +146,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
 void paged_attention_graphed(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale,
-                             int64_t max_q_len) {
+                             int64_t max_q_len, int64_t sliding_window, double softcap) {
   check_cuda(out, "out", 3);
   check_cuda(query, "query", 3, &out);
   check_cuda(key_cache, "key_cache", 4, &out);
@@ -172,6 +172,8 @@ void paged_attention_graphed(at::Tensor& out, const at::Tensor& query, const at:
            " entries and block_tables ", B, " rows");
   CB_VALUE(max_q_len >= 0 && max_q_len <= query.size(0), "max_q_len ", max_q_len, " outside [0, ", query.size(0), "]");
   CB_VALUE(std::isfinite(scale), "scale must be finite");
+  CB_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
+  CB_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0 (0: none), got ", softcap);
 #ifdef CBSERVE_WITH_CUDA
   CB_VALUE(D <= CBSERVE_CUDA_MAX_HEAD_DIM, "CUDA paged_attention supports head_dim <= ", CBSERVE_CUDA_MAX_HEAD_DIM);
   CB_CUDA_STREAM(out);
@@ -179,11 +181,11 @@ void paged_attention_graphed(at::Tensor& out, const at::Tensor& query, const at:
   // From the caching allocator: inside a graph capture, the graph's own pool.
   const int64_t ws_floats = cbserve_paged_attention_workspace_floats(T, hq, D, max_blocks, bs, max_q_len);
   const at::Tensor ws = ws_floats ? at::empty({ws_floats}, out.options().dtype(at::kFloat)) : at::Tensor();
-  launched(cbserve_paged_attention_cuda(dtype_of(out), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
-                                        value_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
-                                        cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), B, max_blocks,
-                                        hq, hkv, D, bs, max_q_len, static_cast<float>(scale),
-                                        ws_floats ? ws.data_ptr<float>() : nullptr, T, stream),
+  launched(cbserve_paged_attention_cuda(
+               dtype_of(out), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+               block_tables.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), B,
+               max_blocks, hq, hkv, D, bs, max_q_len, static_cast<float>(scale), sliding_window,
+               static_cast<float>(softcap), ws_floats ? ws.data_ptr<float>() : nullptr, T, stream),
            "paged_attention_graphed");
 #else
   no_cuda();
@@ -231,7 +233,7 @@ void cbserve_native::register_gpu_ops(py::module_& m) {
   m.def("silu_and_mul", &silu_and_mul, py::arg("out"), py::arg("gate_up"));
   m.def("paged_attention_graphed", &paged_attention_graphed, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("max_q_len"));
+        py::arg("max_q_len"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
   m.def("sample_tokens", &sample_tokens, py::arg("out"), py::arg("logits"), py::arg("params"));
   m.def("set_cuda_decode_kernel", &set_cuda_decode_kernel, py::arg("on"));
 }

@@ -339,8 +339,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   CB_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
   CB_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
   CB_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0 (0: none), got ", softcap);
-  CB_VALUE(!query.is_cuda() || (sliding_window == 0 && softcap == 0),
-           "sliding_window and softcap have CPU kernels only (the CUDA kernel has neither yet)");
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&query, "query"},
                                 {&key_cache, "key_cache"},
                                 {&value_cache, "value_cache"}}) {
@@ -389,8 +387,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     const int err = cbserve_paged_attention_cuda(
         dtype_code(query.scalar_type()), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), B, max_blocks,
-        hq, hkv, D, bs, max_q_len, static_cast<float>(scale), ws_floats ? ws.data_ptr<float>() : nullptr, T,
-        c10::cuda::getCurrentCUDAStream().stream());
+        hq, hkv, D, bs, max_q_len, static_cast<float>(scale), sliding_window, static_cast<float>(softcap),
+        ws_floats ? ws.data_ptr<float>() : nullptr, T, c10::cuda::getCurrentCUDAStream().stream());
     CB_VALUE(err == 0, "paged_attention CUDA launch failed: ", cbserve_cuda_error_string(err));
     return;
 #else

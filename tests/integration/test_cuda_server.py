@@ -17,6 +17,7 @@ from executor import model_loader, model_source
 from executor.kv_cache import host_available_bytes
 from tests.conftest import start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.integration.test_architectures import NEW, _checkpoint, _hf, _hf_logprobs, _prompts, _reference
 from tests.integration.test_faults import _serve_refused
 from tests.integration.test_parity import NEW_TOKENS, hf_greedy, served_greedy, tiny_prompts
 from tests.integration.test_scheduling import BLOCK_BYTES_TINY_FP32, pressure_requests, reconfigure, run_concurrent
@@ -50,6 +51,37 @@ def test_greedy_on_the_gpu_matches_hf_on_the_cpu(backend):
         server.stop()
     assert ready["device"] == "cuda:0" and ready["dtype"] == "float32"
     assert got == expected
+
+
+def test_sliding_windows_and_soft_caps_on_the_gpu_match_hf_on_the_cpu(tmp_path):
+    # The CUDA paged attention's window and soft cap through the whole server
+    # (transformers layer code on the GPU): Mistral's and Qwen2's windows,
+    # Gemma 2's alternating windows with both soft caps, Gemma 3's windowed
+    # layers. Prompts several 16-token windows long, chunked prefills, fp32.
+    names = ["mistral", "qwen2", "gemma2", "gemma3"]
+    entries = [
+        {"name": n, "model": str(_checkpoint(tmp_path, n)), "dtype": "float32", "cache": {"num_blocks": 512}}
+        for n in names
+    ]
+    config = {"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 8}, "models": entries}
+    server = start_server("tiny", device="cuda", config=config, timeout=300)
+    prompts = _prompts()
+    try:
+        for name in names:
+            ref = _reference(tmp_path / name)
+            want = [_hf(ref, p) for p in prompts]
+            with server.channel() as ch:
+                futures = [
+                    stub(ch).Complete.future(gen_request(p, max_new=NEW, logprobs=True, model=name)) for p in prompts
+                ]
+                results = [f.result(timeout=120) for f in futures]
+            assert [list(r.token_ids) for r in results] == want, name
+            if name == "gemma2":  # the final-logit cap applies on the GPU too
+                want_lp = _hf_logprobs(ref, prompts[0], want[0])
+                assert list(results[0].logprobs) == pytest.approx(want_lp, abs=2e-3)
+        wait_idle(server)
+    finally:
+        server.stop()
 
 
 def test_preemption_with_swap_through_host_memory_is_exact_and_frees_everything():

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import native
-from tests.native.helpers import ROOT, make_batch, reference, tolerance
+from tests.native.helpers import ROOT, attend, case_batch, make_batch, reference, tolerance
+from tests.native.test_native_window_softcap import windowed
 
 needs_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and native.has_cuda()),
@@ -73,6 +74,27 @@ def test_cuda_attention_matches_reference(case):
     want = reference(batch, scale)
     if out.numel():
         assert (out.cpu().float() - want).abs().max().item() <= tolerance(dtype)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@settings(max_examples=40, deadline=None)
+@given(case=windowed())
+def test_cuda_window_and_softcap_match_the_reference(case):
+    # The CPU kernels' property test on the GPU: prefill chunks after cached
+    # context, decode rows and mixes of both; windows shorter than a token's
+    # context, than a block, and longer than a KV tile; caps that bend the scores.
+    batch = case_batch(case, device="cuda")
+    batch["query"] *= case["logit_scale"]
+    kw = {"sliding_window": case["sliding_window"], "softcap": case["softcap"]}
+    scale = case["d"] ** -0.5
+    got = attend(batch, scale, **kw)
+    torch.cuda.synchronize()
+    want = reference(batch, scale, **kw)
+    assert not got.isnan().any()
+    err = (got.cpu().float() - want).abs().max().item() if got.numel() else 0.0
+    tol = tolerance(case["dtype"]) * (case["logit_scale"] if case["dtype"] == torch.float32 else 1.0)
+    assert err <= tol, (err, case)
 
 
 @pytest.mark.cuda
@@ -160,6 +182,13 @@ def test_cuda_checks_follow_in_place_changes_of_tensors_already_checked():
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
+    "mask",
+    # windows that leave partitions wholly before them (skipped by the split
+    # and by its combine), one inside a partition, one of a single token
+    [{}, {"sliding_window": 200, "softcap": 2.0}, {"sliding_window": 70}, {"sliding_window": 1}],
+    ids=["plain", "window-200-cap", "window-70", "window-1"],
+)
+@pytest.mark.parametrize(
     ("ctx_lens", "q_lens", "group"),
     [
         ([3000, 5, 700, 64], [1, 1, 1, 1], 3),  # split decode: 32 partitions of 96 tokens
@@ -167,22 +196,22 @@ def test_cuda_checks_follow_in_place_changes_of_tensors_already_checked():
         ([20, 9], [1, 1], 4),  # four table columns, 64 tokens: one partition, no split
     ],
 )
-def test_cuda_decode_split_over_the_kv_range_matches_reference(dtype, ctx_lens, q_lens, group):
+def test_cuda_decode_split_over_the_kv_range_matches_reference(dtype, mask, ctx_lens, q_lens, group):
     # Decode launches (every query length 0 or 1) split each sequence's KV
     # range into partitions and combine them; the checked op and the one the
     # CUDA graphs capture (no host checks) must give the reference.
     batch = make_batch(q_lens, ctx_lens, hq=2 * group, hkv=2, d=64, block_size=16, dtype=dtype, device="cuda", seed=7)
-    _decode_matches_reference(batch, 64**-0.5, dtype)
+    _decode_matches_reference(batch, 64**-0.5, dtype, **mask)
 
 
-def _decode_matches_reference(batch, scale, dtype):
+def _decode_matches_reference(batch, scale, dtype, **mask):
     """The checked op and the one the CUDA graphs capture (no host checks),
-    as a decode launch, against the reference."""
+    as a decode launch, against the reference; `mask`: sliding_window, softcap."""
     from native import _C
 
-    want = reference(batch, scale)
+    want = reference(batch, scale, **mask)
     out = torch.full_like(batch["query"], float("nan"))
-    native.paged_attention(out, scale=scale, **batch)
+    native.paged_attention(out, scale=scale, **batch, **mask)
     graphed = torch.full_like(batch["query"], float("nan"))
     b = batch
     _C.paged_attention_graphed(
@@ -195,6 +224,7 @@ def _decode_matches_reference(batch, scale, dtype):
         b["seq_lens"],
         scale,
         1 if b["query"].shape[0] else 0,
+        **mask,
     )
     torch.cuda.synchronize()
     for got in (out, graphed):
@@ -219,6 +249,11 @@ def decode_cases(draw):
         block_size=block_size,
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
         seed=draw(st.integers(0, 2**16)),
+        # windows inside a chunk, across chunks and partitions, and none
+        mask={
+            "sliding_window": draw(st.sampled_from([0, 0, 1, 5, 100, 300])),
+            "softcap": draw(st.sampled_from([0.0, 0.0, 1.0, 30.0])),
+        },
     )
 
 
@@ -233,12 +268,12 @@ def test_cuda_decode_launches_match_reference_with_either_kernel(decode_kernel, 
     # op, must give the reference.
     from native import _C
 
-    dtype, group = case.pop("dtype"), case.pop("group")
+    dtype, group, mask = case.pop("dtype"), case.pop("group"), case.pop("mask")
     batch = make_batch(
         case.pop("q_lens"), case.pop("ctx_lens"), hq=case["hkv"] * group, dtype=dtype, device="cuda", **case
     )
     _C.set_cuda_decode_kernel(decode_kernel)
     try:
-        _decode_matches_reference(batch, case["d"] ** -0.5, dtype)
+        _decode_matches_reference(batch, case["d"] ** -0.5, dtype, **mask)
     finally:
         _C.set_cuda_decode_kernel(True)
