@@ -119,3 +119,20 @@ def executor_held(server):
         yield
     finally:
         os.kill(exe, signal.SIGCONT)
+
+
+def wait_metric(server, pred, timeout: float = 20.0) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if pred(m):
+            return m
+        assert time.monotonic() < end, "metric condition not reached"
+        time.sleep(0.02)
+
+
+def wait_submitted(server, since: float, tokens: int) -> None:
+    """Waits until `tokens` prompt tokens arrived after the counter read
+    `since` (the counter moves at submission; the queue gauges only at step
+    boundaries, so they stand still while the executor is held)."""
+    wait_metric(server, lambda m: m["cbserve_prompt_tokens_total"] - since == tokens)

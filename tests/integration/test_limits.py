@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from tests.conftest import start_server
-from tests.integration.helpers import executor_held, gen_request, stub, wait_idle
+from tests.integration.helpers import executor_held, gen_request, stub, wait_idle, wait_submitted
 
 
 @pytest.fixture(scope="module")
@@ -315,8 +315,9 @@ def test_queued_bytes_limit_refuses_what_would_exceed_it():
             s = stub(ch)
             running = _start_long(s)
             with executor_held(server):  # "running" holds the seat; the queue stays as it is
+                since = server.metrics()["cbserve_prompt_tokens_total"]
                 waiting = s.Generate(gen_request([5] * 40, max_new=2))  # 48 bytes: fits
-                time.sleep(0.5)
+                wait_submitted(server, since, 40)
                 with pytest.raises(grpc.RpcError) as err:
                     s.Complete(gen_request([5] * 80, max_new=2), timeout=30)  # 88 more: do not
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes" in err.value.details()

@@ -503,7 +503,7 @@ def test_queue_full_duplicate_id_and_drain():
         config={
             "limits": {"max_queued_requests": 1},
             "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 64},
-            "server": {"drain_timeout_s": 1.0},
+            "server": {"drain_timeout_s": 30.0},
         },
     )
     exe = None
@@ -530,10 +530,12 @@ def test_queue_full_duplicate_id_and_drain():
             streams.append(t)
             end = time.monotonic() + 10
             while len(opened) < len(streams) and time.monotonic() < end:
-                time.sleep(0.05)
-            time.sleep(0.3)  # admitted and scheduled before the next one comes
+                time.sleep(0.05)  # headers come once the request is submitted
 
         start("running-one")
+        end = time.monotonic() + 10
+        while server.metrics().get("cbserve_num_requests_running") != 1 and time.monotonic() < end:
+            time.sleep(0.05)  # scheduled (the gauge moves at step boundaries) before the executor stops
         # A stopped executor holds "running-one" in flight and "waiting-one" queued for
         # as long as the checks below take, however fast the machine generates; the
         # router keeps answering, and applies cancellations at the next step boundary.
@@ -553,10 +555,19 @@ def test_queue_full_duplicate_id_and_drain():
             time.sleep(0.1)  # the waiting gauge follows at the end of the iteration
             m = server.metrics()
         assert m[cancelled] == 1 and m["cbserve_num_requests_waiting"] == 0
-        server.proc.send_signal(signal.SIGTERM)  # drain: new requests 503, health 503
-        time.sleep(0.3)
+        # Drain: new requests 503, health 503. The executor is held again so
+        # "running-one" stays in flight and the drain can neither end nor
+        # time out during the checks, however fast or slow the machine.
+        os.kill(exe, signal.SIGSTOP)
+        assert streams[0].is_alive(), "running-one ended before the drain"
+        server.proc.send_signal(signal.SIGTERM)
+        health = f"http://127.0.0.1:{server.http_port}/health"
+        end = time.monotonic() + 10
+        while httpx.get(health).status_code != 503 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert httpx.get(health).status_code == 503
         _error(_post(server, "/completions", {**long, "stream": False}), 503)
-        assert httpx.get(f"http://127.0.0.1:{server.http_port}/health").status_code == 503
+        os.kill(exe, signal.SIGCONT)  # "running-one" finishes, then the server exits
         for t in streams:
             t.join(30)
         assert server.proc.wait(30) == 0

@@ -19,7 +19,7 @@ import yaml
 
 from cbserve.v1 import generation_pb2 as gpb
 from tests.conftest import start_server
-from tests.integration.helpers import executor_held, gen_request, stub, wait_idle
+from tests.integration.helpers import executor_held, gen_request, stub, wait_idle, wait_metric, wait_submitted
 
 BLOCK_BYTES_TINY_FP32 = 2 * 2 * 16 * 2 * 64 * 4  # K+V x layers x block x kv heads x head dim x fp32
 
@@ -92,23 +92,6 @@ def reconfigure(
 def policy_of(server) -> str:
     with server.channel() as ch:
         return stub(ch).ModelInfo(gpb.ModelInfoRequest()).policy
-
-
-def wait_metric(server, pred, timeout: float = 20.0) -> dict:
-    end = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if pred(m):
-            return m
-        assert time.monotonic() < end, "metric condition not reached"
-        time.sleep(0.02)
-
-
-def wait_submitted(server, since: float, tokens: int) -> None:
-    """Waits until `tokens` prompt tokens arrived after the counter read
-    `since` (the counter moves at submission; the queue gauges only at step
-    boundaries, so they stand still while the executor is held)."""
-    wait_metric(server, lambda m: m["cbserve_prompt_tokens_total"] - since == tokens)
 
 
 def pressure_requests(n: int = 8, prompt_len: int = 20, max_new: int = 60) -> dict:
