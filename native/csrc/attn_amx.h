@@ -236,7 +236,7 @@ CB_AMX_ATTN static bool attn_prefill_amx(const AttnParams& p, const AttnItem& it
   const int64_t kv_hi = item_kv_end(p, it);
   const int64_t ntiles = (kv_hi + KT - 1) / KT;
 
-  for (int64_t j = 0; j < ntiles; ++j) {
+  for (int64_t j = item_kv_begin(p, it) / KT; j < ntiles; ++j) {  // tiles before every row's window: skipped
     const int64_t t0 = j * KT;
     const int64_t n = cb_min(KT, kv_hi - t0);
     const int64_t n16 = round_up(n, 16), n32 = round_up(n, 32);

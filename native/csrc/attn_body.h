@@ -415,6 +415,14 @@ static inline int64_t item_kv_end(const AttnParams& p, const AttnItem& it) {
   return p.seq_lens[it.seq] - q_len + it.q_end;
 }
 
+// First KV token any row of the item sees: its earliest row's window start
+// (0 without a window). Nothing before it is read.
+static inline int64_t item_kv_begin(const AttnParams& p, const AttnItem& it) {
+  if (p.window <= 0) return 0;
+  const int64_t q_len = p.cu_seqlens[it.seq + 1] - p.cu_seqlens[it.seq];
+  return cb_max(0, p.seq_lens[it.seq] - q_len + it.q_begin - p.window + 1);
+}
+
 static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,
                              float* scratch) {
   const int64_t D = p.head_dim, hq = p.hq, hkv = p.hkv;
@@ -444,7 +452,7 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
   init_rows(p, it, Qf, Acc, mrow, lrow, DP);
   const bool qbf16 = p.bf16_decode_dots;
 
-  const int64_t kv_hi = item_kv_end(p, it);
+  const int64_t kv_lo = item_kv_begin(p, it), kv_hi = item_kv_end(p, it);
   const char* kc = static_cast<const char*>(p.key_cache);
   const char* vc = static_cast<const char*>(p.value_cache);
   // The item's heads are adjacent in a token's cache row: prefetch them as one span.
@@ -459,14 +467,14 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
   // Blocks are scattered, so the hardware prefetcher cannot follow: each
   // chunk is requested while the previous one computes (the first one while
   // the thread's previous item finished, or else up front).
-  item_offsets(p, it, 0, cb_min(CH, kv_hi), offs);
+  item_offsets(p, it, kv_lo, cb_min(CH, kv_hi - kv_lo), offs);
   if (!prefetched) {
     pf.rowb = nh * D * esize;
-    pf.reset(offs, cb_min(CH, kv_hi), 1);
+    pf.reset(offs, cb_min(CH, kv_hi - kv_lo), 1);
     pf.finish();
   }
 
-  for (int64_t c0 = 0; c0 < kv_hi; c0 += CH) {
+  for (int64_t c0 = kv_lo; c0 < kv_hi; c0 += CH) {
     const int64_t n = cb_min(CH, kv_hi - c0);
     int64_t n1 = cb_max(0, cb_min(CH, kv_hi - c0 - CH));
     const int64_t visits = 2 * nh * n;  // the score and P.V loops step once per (token, head)
@@ -474,8 +482,9 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
       item_offsets(p, it, c0 + CH, n1, offs_next);
       pf.rowb = nh * D * esize;
     } else if (prefetch_next) {  // last chunk: the next item's first one
-      n1 = cb_min(CH, item_kv_end(p, *next));
-      item_offsets(p, *next, 0, n1, offs_next);
+      const int64_t lo1 = item_kv_begin(p, *next);
+      n1 = cb_min(CH, item_kv_end(p, *next) - lo1);
+      item_offsets(p, *next, lo1, n1, offs_next);
       pf.rowb = next->n_heads * D * esize;
       did_next = true;
     }
@@ -556,7 +565,9 @@ static bool attn_item_impl(const AttnParams& p, const AttnItem& it, const AttnIt
   const char* vc = static_cast<const char*>(p.value_cache);
   const int64_t dvecs = DP / V::W;
 
-  for (int64_t j = 0; j < ntiles; ++j) {
+  // Tiles before the earliest row's window are skipped whole; rows whose
+  // window starts later are masked inside a tile.
+  for (int64_t j = item_kv_begin(p, it) / KT; j < ntiles; ++j) {
     const int64_t t0 = j * KT;
     const int64_t n = cb_min(KT, kv_hi - t0);
     // First row that sees any token of this tile (position >= t0).

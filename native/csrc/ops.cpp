@@ -411,8 +411,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       const int64_t nh = whole_rows && (i1 - i0) * hq <= kDecodeMaxRows ? hkv : 1;
       for (int64_t h = 0; h < hkv; h += nh) {
         items.push_back({int32_t(b), int32_t(h), int32_t(i0), int32_t(i1), int32_t(nh)});
-        // KV tokens visited x rows (plus a per-item constant), per KV head.
-        cost.push_back(double(sl[b] - q_len + i1) * double((i1 - i0) * G + 8) * double(nh));
+        // KV tokens visited (from the first row's window start, as the
+        // kernels read them) x rows (plus a per-item constant), per KV head.
+        const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, sl[b] - q_len + i0 - sliding_window + 1) : 0;
+        cost.push_back(double(sl[b] - q_len + i1 - lo) * double((i1 - i0) * G + 8) * double(nh));
       }
     }
   }
