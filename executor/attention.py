@@ -73,6 +73,17 @@ def paged_attention_forward(
     return out.unsqueeze(0), None  # [1, T, Hq, D]
 
 
+def layer_window(cfg, attn: torch.nn.Module) -> int:
+    """A layer's sliding window as its model code applies it (0: none): Qwen2
+    sets one per layer (None on full-attention layers), Mistral reads its
+    config. The lean forwards pass it to the paged attention."""
+    if hasattr(attn, "sliding_window"):
+        return int(attn.sliding_window or 0)
+    if getattr(cfg, "model_type", None) in ("mistral", "mixtral", "phi3"):  # every layer, from the config
+        return int(getattr(cfg, "sliding_window", None) or 0)
+    return 0
+
+
 def register() -> str:
     from transformers import AttentionInterface
 

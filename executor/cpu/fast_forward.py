@@ -60,7 +60,7 @@ from typing import Callable
 import structlog
 import torch
 
-from executor.attention import AttnMetadata
+from executor.attention import AttnMetadata, layer_window
 from executor.cpu.fused_modules import FusedExperts, FusedMLP, FusedRMSNorm
 from executor.cpu.gguf_weights import blocks_of
 from executor.cpu.packed_linear import PackedLinear, same_output
@@ -251,7 +251,7 @@ class LeanLlamaForward:
             None if self.post_norm or self.sandwich else layer.input_layernorm,
             None if self.post_norm or self.sandwich else layer.post_attention_layernorm,
             float(attn.scaling),
-            _window(cfg, attn),
+            layer_window(cfg, attn),
             _fused_qkv(attn),
             attn.o_proj.forward,
             None if moe is not None else layer.mlp.act,
@@ -445,16 +445,6 @@ def _qk_norm(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] 
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     weights = torch.cat([qn.weight.detach().expand(hq, -1), kn.weight.detach().expand(hkv, -1)], 0).contiguous()
     return weights, torch.ones_like(qn.weight.detach()), float(qn.variance_epsilon)
-
-
-def _window(cfg, attn: torch.nn.Module) -> int:
-    """A layer's sliding window as its model code applies it: Qwen2 sets one
-    per layer (None on full-attention layers), Mistral reads its config."""
-    if hasattr(attn, "sliding_window"):
-        return int(attn.sliding_window or 0)
-    if getattr(cfg, "model_type", None) in ("mistral", "mixtral", "phi3"):  # every layer, from the config
-        return int(getattr(cfg, "sliding_window", None) or 0)
-    return 0
 
 
 def build(model: torch.nn.Module) -> LeanLlamaForward | None:

@@ -1,5 +1,10 @@
 """A Llama-family forward on a CUDA GPU in nine launches per layer.
 
+Llama, Mistral and Qwen2 (Llama 3.x, Mistral, Qwen 2.5 checkpoints): the
+same layer, with whatever projection biases the checkpoint has (Qwen2's
+q/k/v) and each layer's sliding window (Mistral's, Qwen2's where enabled)
+passed to the paged attention.
+
 The same structure as the CPU lean forward (executor/cpu/fast_forward.py):
 fused q|k|v and gate|up projections (one GEMM each, weights concatenated
 once at start-up; the model's own q/k/v and gate/up weights become views of
@@ -23,7 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from executor.attention import layer_window
 from native import _C
+
+# model_types whose decoder layer is exactly the one below.
+ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
 @dataclass
@@ -50,22 +59,37 @@ class _Layer:
     ln2: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    window: int  # sliding window (0: none)
+    # Projection biases (None: the projection has none).
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 def supported(model: torch.nn.Module) -> str | None:
     """None if the lean forward computes this model's forward; else why not."""
     cfg = model.config
-    if next(model.parameters()).device.type != "cuda":
-        return "not on a CUDA device"
-    if getattr(cfg, "model_type", None) != "llama":
-        return f"model_type {getattr(cfg, 'model_type', None)!r} is not llama"
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-        return "projections with bias"
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        return f"model_type {model_type!r} is not one of {', '.join(ARCHITECTURES)}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return "pretraining_tp != 1"
+    if next(model.parameters()).device.type != "cuda":
+        return "not on a CUDA device"
     return None
+
+
+def _concat_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """The linears' biases end to end (zeros for one without), or None
+    where none has a bias."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat(
+        [m.bias.data if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears]
+    ).contiguous()
 
 
 def _concat_into_views(weights: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -107,6 +131,11 @@ class GpuLeanForward:
                     ln2=layer.post_attention_layernorm.weight.data,
                     gate_up=_concat_into_views([m.gate_proj.weight, m.up_proj.weight]),
                     down=m.down_proj.weight.data,
+                    window=layer_window(cfg, a),
+                    qkv_bias=_concat_bias([a.q_proj, a.k_proj, a.v_proj]),
+                    o_bias=_concat_bias([a.o_proj]),
+                    gate_up_bias=_concat_bias([m.gate_proj, m.up_proj]),
+                    down_bias=_concat_bias([m.down_proj]),
                 )
             )
         # The model's own rotary embedding (any rope scaling it has) for every
@@ -126,7 +155,7 @@ class GpuLeanForward:
         hq, D = self.hq, self.head_dim
         for i, L in enumerate(self.layers):
             _C.add_rms_norm_(x, residual, L.ln1, self.eps, i > 0)
-            qkv = F.linear(x, L.qkv)
+            qkv = F.linear(x, L.qkv, L.qkv_bias)
             q = torch.empty((T, hq, D), dtype=x.dtype, device=x.device)
             _C.rotary_cache(q, qkv, inp.positions, self.cos, self.sin, kv.key[i], kv.value[i], inp.slots)
             attn = torch.empty_like(q)
@@ -140,12 +169,13 @@ class GpuLeanForward:
                 inp.seq_lens,
                 self.scale,
                 inp.max_q_len,
+                L.window,
             )
-            x = F.linear(attn.view(T, hq * D), L.o)
+            x = F.linear(attn.view(T, hq * D), L.o, L.o_bias)
             _C.add_rms_norm_(x, residual, L.ln2, self.eps, True)
-            gate_up = F.linear(x, L.gate_up)
+            gate_up = F.linear(x, L.gate_up, L.gate_up_bias)
             act = torch.empty((T, self.inter), dtype=x.dtype, device=x.device)
             _C.silu_and_mul(act, gate_up)
-            x = F.linear(act, L.down)
+            x = F.linear(act, L.down, L.down_bias)
         _C.add_rms_norm_(x, residual, self.norm, self.eps, True)
         return x

@@ -22,6 +22,9 @@ from executor.gpu import lean_forward
 from executor.gpu.graphs import buckets
 from executor.runner import ModelRunner
 from native import _C
+from tests.integration.test_architectures import _checkpoint
+from tests.integration.test_architectures import _prompts as long_prompts
+from tests.small_configs import ARCHS
 
 needs_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and native.has_cuda()), reason="needs a CUDA GPU and native._C built with CUDA"
@@ -53,6 +56,14 @@ def test_the_cpu_runner_builds_no_gpu_forward():
     assert lean_forward.supported(model) == "not on a CUDA device"
     runner = ModelRunner(model, 16, 32)
     assert runner.gpu is None and runner.graphs is None
+
+
+def test_the_gpu_lean_forward_takes_the_llama_family_and_says_why_not_others():
+    for name in ("mistral", "qwen2"):
+        assert lean_forward.supported(ARCHS[name]()) == "not on a CUDA device", name
+    for name in ("gemma2", "qwen3", "phi3"):
+        why = lean_forward.supported(ARCHS[name]())
+        assert why.startswith("model_type") and "is not one of llama, mistral, qwen2" in why, why
 
 
 # -- the kernels -----------------------------------------------------------------
@@ -185,6 +196,24 @@ def test_the_lean_forward_gives_the_transformers_forwards_greedy_tokens():
     lean = ModelRunner(model, 16, 256, cuda_graph_max_batch=0)
     assert lean.gpu is not None and lean.graphs is None
     assert _drive(lean, prompts, 16) == reference
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_mistral_and_qwen2_run_the_lean_forward_and_its_graphs_with_their_windows(tmp_path, name):
+    # Mistral's 16-token window on every layer; Qwen2's q/k/v biases and its
+    # window. Prompts of up to 150 tokens: the window matters (the CPU test
+    # of the same checkpoints shows it changes the tokens).
+    source = model_source.resolve(str(_checkpoint(tmp_path, name)))
+    model = model_loader.load_model(source, torch.float32, torch.device("cuda"))
+    prompts = long_prompts()
+    reference = _drive(ModelRunner(model, 16, 256, lean_forward=False), prompts, 12)
+    lean = ModelRunner(model, 16, 256, cuda_graph_max_batch=0)
+    assert lean.gpu is not None and {L.window for L in lean.gpu.layers} == {16}
+    assert (lean.gpu.layers[0].qkv_bias is not None) == (name == "qwen2")
+    assert _drive(lean, prompts, 12) == reference
+    graphed = ModelRunner(model, 16, 256, cuda_graph_max_batch=8)
+    assert _drive(graphed, prompts, 12) == reference and graphed.graphs.replays == 12
 
 
 @needs_gpu

@@ -31,9 +31,11 @@ def _checkpoint(root, name):
     torch.manual_seed(0)
     model = ARCHS[name]()
     with torch.no_grad():  # random init is near-uniform: sharpen it so windows and caps change tokens
-        for p in model.parameters():
+        for name_, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif name_.endswith("_proj.bias"):  # zeros at init: make Qwen2's q/k/v biases matter
+                p.normal_(0.0, 0.5)
     path = root / name
     model.save_pretrained(path)
     build_tiny_tokenizer().save_pretrained(path)
