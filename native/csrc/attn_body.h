@@ -319,7 +319,7 @@ static inline void mask_row(const AttnParams& p, float* s, int64_t ncols, int64_
       V::store(s + c, V::mul(cap, V::sub(one, V::div(two, V::add(e, one)))));
     }
   }
-  const int64_t lo = p.window > 0 ? cb_min(vis, cb_max(0, pos - p.window + 1 - t0)) : 0;
+  const int64_t lo = cb_min(vis, cb_max(0, cbserve_native::window_start(pos, p.window) - t0));
   for (int64_t t = 0; t < lo; ++t) s[t] = ninf;
   for (int64_t t = cb_max(vis, 0); t < ncols; ++t) s[t] = ninf;
 }
@@ -418,9 +418,8 @@ static inline int64_t item_kv_end(const AttnParams& p, const AttnItem& it) {
 // First KV token any row of the item sees: its earliest row's window start
 // (0 without a window). Nothing before it is read.
 static inline int64_t item_kv_begin(const AttnParams& p, const AttnItem& it) {
-  if (p.window <= 0) return 0;
   const int64_t q_len = p.cu_seqlens[it.seq + 1] - p.cu_seqlens[it.seq];
-  return cb_max(0, p.seq_lens[it.seq] - q_len + it.q_begin - p.window + 1);
+  return cbserve_native::window_start(p.seq_lens[it.seq] - q_len + it.q_begin, p.window);
 }
 
 static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const AttnItem* next, bool prefetched,

@@ -172,8 +172,7 @@ void paged_attention_graphed(at::Tensor& out, const at::Tensor& query, const at:
            " entries and block_tables ", B, " rows");
   CB_VALUE(max_q_len >= 0 && max_q_len <= query.size(0), "max_q_len ", max_q_len, " outside [0, ", query.size(0), "]");
   CB_VALUE(std::isfinite(scale), "scale must be finite");
-  CB_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
-  CB_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0 (0: none), got ", softcap);
+  cbserve_native::check_window_softcap(sliding_window, softcap);
 #ifdef CBSERVE_WITH_CUDA
   CB_VALUE(D <= CBSERVE_CUDA_MAX_HEAD_DIM, "CUDA paged_attention supports head_dim <= ", CBSERVE_CUDA_MAX_HEAD_DIM);
   CB_CUDA_STREAM(out);

@@ -92,6 +92,9 @@ constexpr int64_t kDecodeChunk = 64;  // multiple of 16
 // Whether an item takes the decode path (few query rows) rather than the tiled one.
 inline bool is_decode_item(const AttnItem& it, int64_t group) { return item_rows(it, group) <= kDecodeMaxRows; }
 
+// First key a query at position pos sees under a sliding window (0: none).
+inline int64_t window_start(int64_t pos, int64_t window) { return window > 0 && pos >= window ? pos - window + 1 : 0; }
+
 inline int64_t decode_scratch_floats(int64_t head_dim) {
   const int64_t dp = round_up(head_dim, kPad);
   // Q, Acc [rows, dp]; max, sum [rows]; S [rows, chunk]; K/V staging [16, dp];

@@ -337,8 +337,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
            cu_seqlens_q.size(0));
   CB_VALUE(block_tables.size(0) == B, "block_tables must have B=", B, " rows, got ", block_tables.size(0));
   CB_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
-  CB_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
-  CB_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0 (0: none), got ", softcap);
+  check_window_softcap(sliding_window, softcap);
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&query, "query"},
                                 {&key_cache, "key_cache"},
                                 {&value_cache, "value_cache"}}) {
@@ -413,7 +412,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
         items.push_back({int32_t(b), int32_t(h), int32_t(i0), int32_t(i1), int32_t(nh)});
         // KV tokens visited (from the first row's window start, as the
         // kernels read them) x rows (plus a per-item constant), per KV head.
-        const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, sl[b] - q_len + i0 - sliding_window + 1) : 0;
+        const int64_t lo = window_start(sl[b] - q_len + i0, sliding_window);
         cost.push_back(double(sl[b] - q_len + i1 - lo) * double((i1 - i0) * G + 8) * double(nh));
       }
     }

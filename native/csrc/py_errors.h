@@ -4,6 +4,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cmath>
 #include <sstream>
 #include <string>
 
@@ -20,6 +21,14 @@ inline std::string shape_str(const at::Tensor& t) {
   std::ostringstream ss;
   ss << t.sizes();
   return ss.str();
+}
+
+// paged_attention's sliding window and soft cap (0: none), on every device.
+inline void check_window_softcap(int64_t sliding_window, double softcap) {
+  if (sliding_window < 0)
+    throw pybind11::value_error(cat("sliding_window must be >= 0 (0: none), got ", sliding_window));
+  if (!(std::isfinite(softcap) && softcap >= 0))
+    throw pybind11::value_error(cat("softcap must be finite and >= 0 (0: none), got ", softcap));
 }
 
 }  // namespace cbserve_native
