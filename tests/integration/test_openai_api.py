@@ -6,9 +6,7 @@ burst of concurrent streams that leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import signal
 import threading
 import time
@@ -21,7 +19,7 @@ import torch
 
 from cbserve.v1 import generation_pb2 as gpb
 from tests.conftest import start_server
-from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.integration.helpers import executor_held, gen_request, stub, wait_idle, wait_metric
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 3, 250, 11]
 
@@ -506,7 +504,6 @@ def test_queue_full_duplicate_id_and_drain():
             "server": {"drain_timeout_s": 30.0},
         },
     )
-    exe = None
     try:
         model = _model(server)
         long = {"model": model, "prompt": [5, 6], "max_tokens": 1500, "ignore_eos": True, "stream": True}
@@ -533,47 +530,40 @@ def test_queue_full_duplicate_id_and_drain():
                 time.sleep(0.05)  # headers come once the request is submitted
 
         start("running-one")
-        end = time.monotonic() + 10
-        while server.metrics().get("cbserve_num_requests_running") != 1 and time.monotonic() < end:
-            time.sleep(0.05)  # scheduled (the gauge moves at step boundaries) before the executor stops
-        # A stopped executor holds "running-one" in flight and "waiting-one" queued for
+        # scheduled (the gauge moves at step boundaries) before the executor stops
+        wait_metric(server, lambda m: m.get("cbserve_num_requests_running") == 1, timeout=10)
+        # A held executor keeps "running-one" in flight and "waiting-one" queued for
         # as long as the checks below take, however fast the machine generates; the
         # router keeps answering, and applies cancellations at the next step boundary.
-        exe = server.executor_pid()
-        os.kill(exe, signal.SIGSTOP)
-        err = _error(_post(server, "/completions", long, headers={"x-request-id": "running-one"}), 409)
-        assert "already in flight" in err["message"]
-        start("waiting-one")
-        _error(_post(server, "/completions", {**long, "stream": False}), 429)
-        # The queued client gives up: its request leaves the queue without running.
-        give_up.set()
-        streams[-1].join(10)
-        os.kill(exe, signal.SIGCONT)
-        end = time.monotonic() + 10
-        m = server.metrics()
-        while (m.get(cancelled, 0) < 1 or m["cbserve_num_requests_waiting"] != 0) and time.monotonic() < end:
-            time.sleep(0.1)  # the waiting gauge follows at the end of the iteration
-            m = server.metrics()
+        with executor_held(server):
+            err = _error(_post(server, "/completions", long, headers={"x-request-id": "running-one"}), 409)
+            assert "already in flight" in err["message"]
+            start("waiting-one")
+            _error(_post(server, "/completions", {**long, "stream": False}), 429)
+            # The queued client gives up: its request leaves the queue without running.
+            give_up.set()
+            streams[-1].join(10)
+        # the waiting gauge follows at the end of the iteration
+        m = wait_metric(
+            server, lambda m: m.get(cancelled, 0) >= 1 and m["cbserve_num_requests_waiting"] == 0, timeout=10
+        )
         assert m[cancelled] == 1 and m["cbserve_num_requests_waiting"] == 0
         # Drain: new requests 503, health 503. The executor is held again so
         # "running-one" stays in flight and the drain can neither end nor
-        # time out during the checks, however fast or slow the machine.
-        os.kill(exe, signal.SIGSTOP)
-        assert streams[0].is_alive(), "running-one ended before the drain"
-        server.proc.send_signal(signal.SIGTERM)
-        health = f"http://127.0.0.1:{server.http_port}/health"
-        end = time.monotonic() + 10
-        while httpx.get(health).status_code != 503 and time.monotonic() < end:
-            time.sleep(0.05)
-        assert httpx.get(health).status_code == 503
-        _error(_post(server, "/completions", {**long, "stream": False}), 503)
-        os.kill(exe, signal.SIGCONT)  # "running-one" finishes, then the server exits
+        # time out during the checks, however fast or slow the machine; once
+        # it resumes, "running-one" finishes and the server exits.
+        with executor_held(server):
+            assert streams[0].is_alive(), "running-one ended before the drain"
+            server.proc.send_signal(signal.SIGTERM)
+            health = f"http://127.0.0.1:{server.http_port}/health"
+            end = time.monotonic() + 10
+            while httpx.get(health).status_code != 503 and time.monotonic() < end:
+                time.sleep(0.05)
+            assert httpx.get(health).status_code == 503
+            _error(_post(server, "/completions", {**long, "stream": False}), 503)
         for t in streams:
             t.join(30)
         assert server.proc.wait(30) == 0
         assert opened == [200, 200]
     finally:
-        if exe is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(exe, signal.SIGCONT)
         server.stop()

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import native
-from tests.native.helpers import ROOT, attend, case_batch, make_batch, reference, tolerance
-from tests.native.test_native_window_softcap import windowed
+from tests.native.helpers import ROOT, make_batch, reference, tolerance
+from tests.native.test_native_window_softcap import check_windowed, windowed
 
 needs_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and native.has_cuda()),
@@ -84,17 +84,7 @@ def test_cuda_window_and_softcap_match_the_reference(case):
     # The CPU kernels' property test on the GPU: prefill chunks after cached
     # context, decode rows and mixes of both; windows shorter than a token's
     # context, than a block, and longer than a KV tile; caps that bend the scores.
-    batch = case_batch(case, device="cuda")
-    batch["query"] *= case["logit_scale"]
-    kw = {"sliding_window": case["sliding_window"], "softcap": case["softcap"]}
-    scale = case["d"] ** -0.5
-    got = attend(batch, scale, **kw)
-    torch.cuda.synchronize()
-    want = reference(batch, scale, **kw)
-    assert not got.isnan().any()
-    err = (got.cpu().float() - want).abs().max().item() if got.numel() else 0.0
-    tol = tolerance(case["dtype"]) * (case["logit_scale"] if case["dtype"] == torch.float32 else 1.0)
-    assert err <= tol, (err, case)
+    check_windowed(case, "cuda")
 
 
 @pytest.mark.cuda
