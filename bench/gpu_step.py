@@ -1,7 +1,8 @@
 """The executor's decode step on a CUDA GPU (`python -m bench.gpu_step`).
 
 A SmolLM2-shaped random Llama (same shapes and work as SmolLM2-135M, EOS
-never sampled on purpose: the steps are timed, not the text) in bf16, its
+never sampled on purpose: the steps are timed, not the text; `--arch
+mistral` or `qwen2` the same shapes as that architecture) in bf16, its
 `ModelRunner` driven alone with the plans the router would send: 128-token
 prompts prefilled, then decode steps of the whole batch. Three executors on
 the same weights:
@@ -149,13 +150,38 @@ def _general_attention(model, num_blocks: int, batches: list[int], args: tuple) 
         _C.set_cuda_decode_kernel(True)
 
 
-def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int) -> dict:
+def _model(arch: str, device: torch.device = torch.device("cuda")):
+    """SmolLM2's shapes as `arch` (bench.architectures' names), random bf16
+    weights on `device`; a non-Llama architecture goes through a checkpoint
+    directory, as `--model DIR` would load it."""
     torch.manual_seed(0)
-    spec = "tiny:" + json.dumps(SMOLLM2_SHAPE)
-    model = load_model(resolve(spec), torch.bfloat16, torch.device("cuda"))
+    if arch == "llama":
+        return load_model(resolve("tiny:" + json.dumps(SMOLLM2_SHAPE)), torch.bfloat16, device)
+    import tempfile
+
+    import transformers
+
+    from bench.architectures import ARCHS, SHAPES
+
+    cfg_cls, model_cls, overrides = ARCHS[arch]
+    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**{**SHAPES, **overrides}))
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.to(torch.bfloat16).save_pretrained(tmp)
+        del hf
+        return load_model(resolve(tmp), torch.bfloat16, device)
+
+
+def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int, arch: str = "llama") -> dict:
+    model = _model(arch)
     per_seq = -(-(prompt_len + decode_tokens) // BLOCK_SIZE)
     num_blocks = max(batches) * per_seq + 8
-    out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "agreement": {}}
+    out: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "arch": arch,
+        "rows": [],
+        "agreement": {},
+    }
     prompts = [torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (prompt_len,)).tolist() for _ in range(8)]
     tokens: dict[str, list[list[int]]] = {}
     args = (prompt_len, decode_tokens, repeats)
@@ -189,7 +215,7 @@ def run(batches: list[int], prompt_len: int, decode_tokens: int, repeats: int) -
 
 def render(result: dict) -> str:
     lines = [
-        f"GPU: {result['gpu']}, torch {result['torch']}",
+        f"GPU: {result['gpu']}, torch {result['torch']}, {result.get('arch', 'llama')} at SmolLM2's shapes",
         "| executor | batch | step ms | tok/s | GPU ms per replay |",
         "| --- | --- | --- | --- | --- |",
     ]
@@ -213,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="", help="write the result as JSON here")
     p.add_argument(
+        "--arch",
+        default="llama",
+        choices=("llama", "mistral", "qwen2"),
+        help="the architecture at SmolLM2's shapes (the GPU lean forward's family)",
+    )
+    p.add_argument(
         "--export",
         default="",
         metavar="DIR",
@@ -227,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.stderr.write("bench.gpu_step needs a CUDA GPU\n")
         return 2
-    result = run([int(b) for b in args.batches.split(",")], args.prompt_len, args.decode_tokens, args.repeats)
+    result = run(
+        [int(b) for b in args.batches.split(",")], args.prompt_len, args.decode_tokens, args.repeats, args.arch
+    )
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)

@@ -27,3 +27,15 @@ def test_sampled_rows_time_both_samplers_and_restore_the_device_sampler():
         slack = 0.5 + r["batch"] * 1e3 * 0.0005 / (r["step_ms"] - 0.0005) ** 2
         assert abs(r["tok_s"] - r["batch"] * 1e3 / r["step_ms"]) <= slack
     assert runner.device_sampling is True
+
+
+def test_models_of_the_lean_family_at_smollm2_shapes():
+    """--arch builds Mistral and Qwen2 with SmolLM2's shapes through a
+    checkpoint directory (loaded as --model DIR loads one)."""
+    for arch, cls in (("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM")):
+        model = gpu_step._model(arch, torch.device("cpu"))
+        cfg = model.config
+        assert type(model).__name__ == cls and cfg.model_type == arch
+        assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (576, 30, 3)
+        assert next(model.parameters()).dtype == torch.bfloat16
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's q/k/v biases
