@@ -233,15 +233,15 @@ def test_avx512_bf16_prefill_items_match_the_reference_and_the_fp32_kernels(d, b
     reason="needs an AVX512-BF16 CPU",
 )
 @pytest.mark.parametrize("d", [40, 64])
-@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 1), (2, 1)])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 1), (2, 1), (10, 2), (8, 1)])
 @pytest.mark.parametrize("scale", [0.125, 0.1])
 @pytest.mark.parametrize("logit_scale", [1.0, 30.0])
 def test_avx512_bf16_decode_scores_match_the_reference_and_the_fp32_kernels(d, hq, hkv, scale, logit_scale):
     """bf16 decode items whose scaled query rows are exact in bf16 (scale
     1/8) take K rows as vdpbf16ps operands on an AVX512-BF16 CPU; other
     scales keep the fp32 FMA path. Both against the reference and the avx2
-    kernels, with scores far from 0 too, 2-8 query rows per KV head (GQA
-    groups of 2-4, one- and two-token queries), head dim 40's partly masked
+    kernels, with scores far from 0 too, 2-16 query rows per KV head (GQA
+    groups of 2-8, one- and two-token queries), head dim 40's partly masked
     second half and contexts across chunks and blocks (partly filled
     16-token groups)."""
     batch = make_batch(
