@@ -73,20 +73,25 @@ SIZES = ("llama-0.5b", "llama-1.5b")  # run when named (--archs), with their roo
 WORKLOAD = ["--num-requests", "64", "--cap", "256"]
 
 
+def random_model(arch: str):
+    """`arch` (an ARCHS name) with random bf16 weights, seed 0."""
+    import torch
+    import transformers
+
+    cfg_cls, model_cls, overrides = ARCHS[arch]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(**{**SHAPES, **overrides})
+    return getattr(transformers, model_cls)(cfg).to(torch.bfloat16)
+
+
 def checkpoint(arch: str, root: Path) -> Path:
     """The random checkpoint of `arch` at SmolLM2's shapes (written once)."""
     path = root / arch
     if (path / "config.json").exists():
         return path
-    import torch
-    import transformers
-
     from bench.hf_export import export_smollm2_hf
 
-    cfg_cls, model_cls, overrides = ARCHS[arch]
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_cls)(**{**SHAPES, **overrides})
-    model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)
+    model = random_model(arch)
     tmp = root / f".{arch}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

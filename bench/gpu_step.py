@@ -159,14 +159,11 @@ def _model(arch: str, device: torch.device = torch.device("cuda")):
         return load_model(resolve("tiny:" + json.dumps(SMOLLM2_SHAPE)), torch.bfloat16, device)
     import tempfile
 
-    import transformers
+    from bench.architectures import random_model
 
-    from bench.architectures import ARCHS, SHAPES
-
-    cfg_cls, model_cls, overrides = ARCHS[arch]
-    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**{**SHAPES, **overrides}))
+    hf = random_model(arch)
     with tempfile.TemporaryDirectory() as tmp:
-        hf.to(torch.bfloat16).save_pretrained(tmp)
+        hf.save_pretrained(tmp)
         del hf
         return load_model(resolve(tmp), torch.bfloat16, device)
 
