@@ -248,7 +248,7 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
   }
 }
 
-// online_softmax_row for the M (<= 16) rows of a decode chunk at once, in
+// online_softmax_row for the M (<= kDecodeRowsCap) rows of a decode chunk at once, in
 // phases over all rows so that no row's reductions wait on another's: the
 // rows' maxima, then every row's correction exp(m_old - m_new) in one vector
 // exp (no scalar libm call between the rows), then the exponentials, then
@@ -259,9 +259,10 @@ static inline void online_softmax_row(float* s, int64_t ncols, float& m, float& 
 static inline void online_softmax_rows(float* S, int64_t lds, int64_t M, int64_t ncols, const bool* skip, float* m,
                                        float* l, float* Acc, int64_t DP) {
   const float ninf = -__builtin_inff();
-  alignas(64) float mnew[16], diff[16], corr[16], sums[16 * V::W];
-  bool none[16];
-  for (int64_t r = 0; r < 16; ++r) diff[r] = 0.f;
+  constexpr int64_t RC = cbserve_native::kDecodeRowsCap;
+  alignas(64) float mnew[RC], diff[RC], corr[RC], sums[RC * V::W];
+  bool none[RC];
+  for (int64_t r = 0; r < RC; ++r) diff[r] = 0.f;
   for (int64_t r = 0; r < M; ++r) {
     const float* s = S + r * lds;
     typename V::R mx = V::set1(ninf);
@@ -273,7 +274,7 @@ static inline void online_softmax_rows(float* S, int64_t lds, int64_t M, int64_t
     mnew[r] = bmax > m[r] ? bmax : m[r];
     diff[r] = m[r] == ninf ? 0.f : m[r] - mnew[r];
   }
-  for (int64_t r = 0; r < 16; r += V::W) V::store(corr + r, V::exp(V::load(diff + r)));
+  for (int64_t r = 0; r < M; r += V::W) V::store(corr + r, V::exp(V::load(diff + r)));
   for (int64_t r = 0; r < M; ++r) {
     float* s = S + r * lds;
     if (none[r]) {  // zero weights, state kept
@@ -393,7 +394,7 @@ static inline void store_rows(const AttnParams& p, const AttnItem& it, float* Ac
 #define CB_DEC_PV dec_pv_simple
 #endif
 
-static_assert(cbserve_native::kDecodeMaxRows <= 16, "mrow/lrow hold 16 floats each");
+static_assert(cbserve_native::kDecodeRowsCap % 16 == 0, "mrow/lrow keep S 64-byte aligned");
 static_assert(cbserve_native::kDecodeChunk % 16 == 0, "chunk");
 
 // Element offsets of tokens [c0, c0 + n)'s cache rows at item `it`'s first
@@ -436,11 +437,12 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
   const int64_t DP = round_up(D, kPad);
   constexpr int64_t CH = cbserve_native::kDecodeChunk;
 
+  constexpr int64_t RC = cbserve_native::kDecodeRowsCap;
   float* Qf = scratch;         // [M, DP]  scaled queries
   float* Acc = Qf + M * DP;    // [M, DP]  un-normalised output
   float* mrow = Acc + M * DP;  // [M]      running max
-  float* lrow = mrow + 16;     // [M]      running sum (M <= 16; keeps S 64-byte aligned)
-  float* S = lrow + 16;        // [M, CH]  scores, then probabilities of one chunk
+  float* lrow = mrow + RC;     // [M]      running sum (M <= RC; keeps S 64-byte aligned)
+  float* S = lrow + RC;        // [M, CH]  scores, then probabilities of one chunk
   float* tmp = S + M * CH;     // [16, DP] staging for the group kernels
   // Token row offsets of this chunk and of the next one (being prefetched).
   int64_t* offs = reinterpret_cast<int64_t*>(tmp + 16 * DP);  // [CH]
@@ -497,7 +499,7 @@ static bool attn_decode_impl(const AttnParams& p, const AttnItem& it, const Attn
     }
     // Exact softmax over the chunk, rescaling the running state once per chunk.
     const int64_t ncols = (n + V::W - 1) / V::W * V::W;
-    bool skip[16];
+    bool skip[RC];
     for (int64_t r = 0; r < M; ++r) {
       const int64_t pos = ctx + it.q_begin + (r % Mh) / G;  // the row's own position
       const int64_t vis = cb_max(0, cb_min(n, pos - c0 + 1));

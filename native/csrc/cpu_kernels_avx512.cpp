@@ -339,7 +339,7 @@ CB_DEC_DP static inline void dec_scores_pass_dp(const __m512bh* qv, int64_t rows
 
 CB_DEC_DP static void dec_scores_dp(const float* Q, int64_t ldq, int64_t M, const char* base, const int64_t* offs,
                                     int64_t n, int64_t D, const __mmask32* m, float* S, int64_t lds, KvPrefetch& pf) {
-  __m512bh qv[2 * cbserve_native::kDecodeMaxRows];
+  __m512bh qv[2 * cbserve_native::kDecodeRowsCap];
   for (int64_t r = 0; r < M; ++r) {
     const float* q = Q + r * ldq;
     __m512 x[4];

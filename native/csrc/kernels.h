@@ -86,11 +86,18 @@ inline int64_t kv_tile(int64_t block_size, int64_t rows) {
 // ahead; 128 was slower at batch 64. A two-pass variant (all scores, one
 // softmax, then P.V) was slower: its single K-then-V prefetch stream does
 // not keep as many lines in flight (docs/native.md).
+// An item of all KV heads of a token (whole cache rows, read contiguously)
+// takes the decode path up to kDecodeRowsCap rows: a group of at most 16 rows
+// per KV head still goes through the group kernels one head at a time.
 constexpr int64_t kDecodeMaxRows = 16;
+constexpr int64_t kDecodeRowsCap = 32;
 constexpr int64_t kDecodeChunk = 64;  // multiple of 16
 
 // Whether an item takes the decode path (few query rows) rather than the tiled one.
-inline bool is_decode_item(const AttnItem& it, int64_t group) { return item_rows(it, group) <= kDecodeMaxRows; }
+inline bool is_decode_item(const AttnItem& it, int64_t group) {
+  const int64_t rows = item_rows(it, group);
+  return rows <= kDecodeMaxRows || (it.n_heads > 1 && rows <= kDecodeRowsCap);
+}
 
 // First key a query at position pos sees under a sliding window (0: none).
 inline int64_t window_start(int64_t pos, int64_t window) { return window > 0 && pos >= window ? pos - window + 1 : 0; }
@@ -99,7 +106,7 @@ inline int64_t decode_scratch_floats(int64_t head_dim) {
   const int64_t dp = round_up(head_dim, kPad);
   // Q, Acc [rows, dp]; max, sum [rows]; S [rows, chunk]; K/V staging [16, dp];
   // int64 row offsets [2, chunk].
-  return 2 * kDecodeMaxRows * dp + 2 * kDecodeMaxRows + kDecodeMaxRows * kDecodeChunk + 16 * dp + 4 * kDecodeChunk +
+  return 2 * kDecodeRowsCap * dp + 2 * kDecodeRowsCap + kDecodeRowsCap * kDecodeChunk + 16 * dp + 4 * kDecodeChunk +
          4 * kPad;
 }
 

@@ -294,9 +294,13 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // ------------------------------------------------------------ paged_attention ---
 constexpr int64_t kTargetRows = 192;  // query rows (tokens x group heads) per work item
 // Whole-row decode items (all KV heads) once there are this many sequences per
-// thread. One is enough: even unevenly spread, whole rows beat per-head
-// items, whose strided reads cost more than the imbalance (docs/native.md).
+// thread. One is enough for items of up to kDecodeMaxRows rows: even unevenly
+// spread, whole rows beat per-head items, whose strided reads cost more than
+// the imbalance. Wider ones (up to kDecodeRowsCap rows, e.g. 20 / 4 or 32 / 8
+// heads) take four: with fewer, one sequence more on a thread costs more than
+// the contiguous reads save (docs/native.md).
 constexpr int64_t kWholeRowSeqsPerThread = 1;
+constexpr int64_t kWideWholeRowSeqsPerThread = 4;
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
@@ -400,14 +404,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   // Decode items take all KV heads of a sequence at once when there are
   // enough sequences to keep every thread busy (contiguous cache reads).
   const int64_t qc = std::max<int64_t>(1, kTargetRows / G);
-  const bool whole_rows = B >= kWholeRowSeqsPerThread * at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
+  const bool whole_rows = B >= kWholeRowSeqsPerThread * threads;
+  const bool wide_whole_rows = B >= kWideWholeRowSeqsPerThread * threads;
   std::vector<AttnItem> items;
   std::vector<double> cost;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b];
     for (int64_t i0 = 0; i0 < q_len; i0 += qc) {
       const int64_t i1 = std::min(q_len, i0 + qc);
-      const int64_t nh = whole_rows && (i1 - i0) * hq <= kDecodeMaxRows ? hkv : 1;
+      const int64_t rows = (i1 - i0) * hq;
+      const int64_t nh =
+          (whole_rows && rows <= kDecodeMaxRows) || (wide_whole_rows && rows <= kDecodeRowsCap) ? hkv : 1;
       for (int64_t h = 0; h < hkv; h += nh) {
         items.push_back({int32_t(b), int32_t(h), int32_t(i0), int32_t(i1), int32_t(nh)});
         // KV tokens visited (from the first row's window start, as the

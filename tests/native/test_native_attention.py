@@ -121,12 +121,14 @@ def test_cpu_features_reports_dispatch():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (16, 4)])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (16, 4), (20, 4), (12, 2), (32, 8)])
 def test_large_decode_batch_whole_row_items(isa, dtype, hq, hkv):
     """Enough decode sequences that one work item takes all KV heads of a
-    sequence (where q_len x Hq <= 16 rows): same result as the reference,
+    sequence (where q_len x Hq <= 32 rows): same result as the reference,
     including empty, one-token and past-a-chunk (> 512) contexts, 2-token
-    queries and a sequence with no query this step."""
+    queries (24 and 32 rows for 12 / 2 and 16 / 4 heads; 40 and 64 rows,
+    split by KV head, for 20 / 4 and 32 / 8) and a sequence with no query
+    this step."""
     q_lens = [1, 1, 2, 1, 0, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1]
     ctx_lens = [0, 5, 17, 600, 9, 31, 64, 200, 1, 700, 16, 15, 100, 3, 50, 520, 80, 2, 40, 33]
     check(dict(q_lens=q_lens, ctx_lens=ctx_lens, hq=hq, hkv=hkv, d=64, block_size=16, dtype=dtype, seed=5))

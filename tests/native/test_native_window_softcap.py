@@ -71,6 +71,18 @@ def test_bf16_prefill_and_decode_items_on_every_isa(window, softcap):
         assert (out.float() - want).abs().max().item() <= tolerance(torch.bfloat16), isa
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,q_len", [(20, 4, 1), (16, 4, 2)])
+def test_windowed_and_capped_whole_row_items_of_up_to_32_rows(isa, dtype, hq, hkv, q_len):
+    # Ten decode sequences, enough for items of every KV head of a sequence
+    # at once with 20 or 32 query rows; contexts shorter than, across and
+    # several times the window.
+    n = 10
+    ctx = [0, 3, 39, 40, 41, 90, 130, 257, 400, 17]
+    case = dict(q_lens=[q_len] * n, ctx_lens=ctx, hq=hq, hkv=hkv, d=64, block_size=16, dtype=dtype, seed=hq + q_len)
+    check_windowed(dict(case, sliding_window=40, softcap=1.5, logit_scale=4.0))
+
+
 def test_a_window_of_one_is_each_tokens_own_value():
     batch = make_batch([5, 1], [0, 9], hq=2, hkv=1, d=64, block_size=8, seed=3)
     got = attend(batch, 0.125, sliding_window=1)
