@@ -110,8 +110,10 @@ inline int64_t decode_scratch_floats(int64_t head_dim) {
          4 * kPad;
 }
 
-// Floats of scratch memory an item with at most `max_rows` (tokens x group)
-// rows needs; the caller allocates it once per thread.
+// Floats of scratch memory a call needs whose tiled items have at most
+// `max_rows` (tokens x group) rows, and any decode items (a tiled item has
+// more than kDecodeMaxRows rows, so up to that there is none); the caller
+// allocates it once per thread.
 inline int64_t attn_scratch_floats(int64_t max_rows, int64_t head_dim, int64_t block_size) {
   if (max_rows <= kDecodeMaxRows) return decode_scratch_floats(head_dim);  // decode path only
   const int64_t kt = kv_tile(block_size, 1 << 30);

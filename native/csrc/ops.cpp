@@ -454,10 +454,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                        std::frexp(p.scale, &scale_exp) == 0.5f;
 
   const AttnItemFn fn = item_fn();
-  // Scratch for the largest item present (a decode-only batch needs ~14 KB
-  // per thread, a prefill chunk up to ~260 KB).
-  int64_t max_rows = 1;
-  for (const AttnItem& it : items) max_rows = std::max<int64_t>(max_rows, item_rows(it, G));
+  // Scratch for the largest item present: a decode item of any size needs
+  // the decode path's fixed ~30 KB per thread (head_dim 64), a tiled one
+  // (a prefill chunk) up to ~260 KB by its rows.
+  int64_t max_rows = 1;  // of the tiled items
+  for (const AttnItem& it : items)
+    if (!is_decode_item(it, G)) max_rows = std::max<int64_t>(max_rows, item_rows(it, G));
   const int64_t scratch_floats = attn_scratch_floats(max_rows, D, bs);
   const int64_t n_items = int64_t(items.size());
   const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_items);
