@@ -93,7 +93,7 @@ class _Layer:
     act: Callable[[torch.Tensor], torch.Tensor] | None  # act(gate(h)) * up(h); None in a mixture-of-experts layer
     down: Callable[[torch.Tensor], torch.Tensor] | None
     # Qwen3's q/k norms (_qk_norm), or None.
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    qk_norm: tuple[torch.Tensor, float] | None = None
     # OLMo 2's norms, each (fp32 weight, eps): over the whole q and k
     # projections, and after attention and after the MLP (_Post).
     qk_full_norm: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None
@@ -211,7 +211,6 @@ class LeanLlamaForward:
 
         cfg = model.config
         self._add_rms_norm = fused.add_rms_norm
-        self._rms_norm = fused.rms_norm
         self._rope_split = fused.rope_split
         self._rope_cache = fused.rope_cache
         self._norm_add_norm = fused.norm_add_norm_w32
@@ -407,17 +406,14 @@ class LeanLlamaForward:
         self._norm_w32(q, norms[0][0], norms[0][1], q)
         self._norm_w32(k, norms[1][0], norms[1][1], k)
 
-    def _norm_heads(self, qkv: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]) -> None:
+    def _norm_heads(self, qkv: torch.Tensor, norm: tuple[torch.Tensor, float]) -> None:
         """Qwen3's q_norm / k_norm in place on the fused projection's q and k
-        heads (adjacent in it): the native RMSNorm over each head's dim with
-        unit weight (the normalised value rounded to the activations' dtype,
-        times 1), then times each head's weight into the projection. That is
-        Qwen3RMSNorm's rounding: weight * round(x * rsqrt(mean(x^2) + eps))."""
+        heads (adjacent in it), one native call with a weight row per head:
+        Qwen3RMSNorm's rounding, weight * round(x * rsqrt(mean(x^2) + eps))
+        rounded again (round_first)."""
         d, t, heads = self.head_dim, qkv.shape[0], self.hq + self.hkv
         qk = qkv[:, : heads * d].view(t, heads, d)
-        weights, ones, eps = norm
-        normed = self._rms_norm(qk.reshape(-1, d), ones, eps).view(t, heads, d)
-        torch.mul(normed, weights, out=qk)
+        self._norm_w32(qk, norm[0], norm[1], qk, True)
 
 
 # Architectures whose decoder layer is Llama's up to q/k/v biases, sliding
@@ -434,17 +430,17 @@ SANDWICH = ("gemma2", "gemma3_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text",)
 
 
-def _qk_norm(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(per-head weights [hq + hkv, head_dim]: q_norm's for the q heads,
-    k_norm's for the k heads; a unit weight [head_dim]; eps), or None
-    without q/k norms."""
+def _qk_norm(attn: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(per-head fp32 weights [hq + hkv, head_dim]: q_norm's for the q heads,
+    k_norm's for the k heads, each exactly its model-dtype values; eps), or
+    None without q/k norms."""
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if qn is None or kn is None:
         return None
     cfg = attn.config
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    weights = torch.cat([qn.weight.detach().expand(hq, -1), kn.weight.detach().expand(hkv, -1)], 0).contiguous()
-    return weights, torch.ones_like(qn.weight.detach()), float(qn.variance_epsilon)
+    weights = torch.cat([qn.weight.detach().expand(hq, -1), kn.weight.detach().expand(hkv, -1)], 0)
+    return weights.float().contiguous(), float(qn.variance_epsilon)
 
 
 def build(model: torch.nn.Module) -> LeanLlamaForward | None:

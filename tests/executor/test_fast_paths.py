@@ -354,22 +354,63 @@ def test_bf16_lean_forward_logprobs_are_within_tolerance_of_the_fp32_reference(k
     assert lean.quantile(0.95) <= stock.quantile(0.95) + 0.01
 
 
-@needs_bf16
-def test_the_lean_q_k_norm_is_qwen3s_per_head_norm_bit_for_bit():
+def _qwen3_qk_norm_mismatches() -> dict[str, int]:
+    """How many values of the lean forward's Qwen3 q/k norm (rms_norm_w32_
+    with a weight row per head and round_first, in place on the q and k heads
+    of a fused projection) differ from Qwen3RMSNorm applied per head, in bf16
+    and fp32; and whether the v columns beside them stayed untouched."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     import native._fused as fused
 
-    torch.manual_seed(0)
-    norm = Qwen3RMSNorm(64, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(64))
-    norm = norm.to(torch.bfloat16)
-    heads = (torch.randn(37 * 9, 64) * 3).to(torch.bfloat16)  # 37 tokens x 9 heads
-    assert torch.equal(fused.rms_norm(heads, norm.weight, 1e-6), norm(heads))
-    # What _norm_heads does: unit weight in the kernel, then the weight.
-    unit = fused.rms_norm(heads, torch.ones_like(norm.weight), 1e-6)
-    assert torch.equal(unit * norm.weight, norm(heads))
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(0)
+        qn, kn = Qwen3RMSNorm(64, eps=1e-6), Qwen3RMSNorm(64, eps=1e-6)
+        with torch.no_grad():
+            qn.weight.copy_(torch.randn(64))
+            kn.weight.copy_(torch.randn(64))
+        qn, kn = qn.to(dtype), kn.to(dtype)
+        t, hq, hkv = 37, 9, 3
+        scale = torch.logspace(-2, 2, t).unsqueeze(1)
+        qkv = (torch.randn(t, (hq + 2 * hkv) * 64) * scale).to(dtype)  # q | k | v
+        heads = qkv[:, : (hq + hkv) * 64].view(t, hq + hkv, 64)
+        want = torch.cat([qn(heads[:, :hq].contiguous()), kn(heads[:, hq:].contiguous())], 1)
+        v = qkv[:, (hq + hkv) * 64 :].clone()
+        w = torch.cat([qn.weight.detach().expand(hq, -1), kn.weight.detach().expand(hkv, -1)]).float().contiguous()
+        fused.rms_norm_w32_(heads, w, 1e-6, heads, True)
+        if dtype == torch.bfloat16:
+            out["bf16"] = int((heads != want).sum())
+        else:  # no final rounding to absorb the kernel's order of summation
+            out["fp32"] = int(((heads - want).abs() > 1e-6 + 1e-6 * want.abs()).sum())
+        out["v_touched"] = out.get("v_touched", 0) + int((qkv[:, (hq + hkv) * 64 :] != v).sum())
+    return out
+
+
+def test_the_lean_q_k_norm_is_qwen3s_per_head_norm_bit_for_bit():
+    assert _qwen3_qk_norm_mismatches() == {"bf16": 0, "fp32": 0, "v_touched": 0}
+
+
+def test_the_lean_q_k_norm_is_qwen3s_on_the_generic_kernel_too():
+    """The same check where no vector code runs (CBSERVE_NATIVE_ISA=generic):
+    the portable loop rounds as the AVX-512 one does."""
+    probe = (
+        "import json; from tests.executor.test_fast_paths import _qwen3_qk_norm_mismatches as m; print(json.dumps(m()))"
+    )
+    env = dict(os.environ, CBSERVE_NATIVE_ISA="generic")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"bf16": 0, "fp32": 0, "v_touched": 0}
+
+
+def test_per_head_norm_weights_must_match_the_heads():
+    import native._fused as fused
+
+    x = torch.randn(4, 3, 8)
+    with pytest.raises(RuntimeError, match=r"\[B, H\]"):
+        fused.rms_norm_w32_(x, torch.ones(2, 8), 1e-6, x)
+    with pytest.raises(RuntimeError, match=r"\[B, H\]"):
+        fused.rms_norm_w32_(x.view(12, 8), torch.ones(3, 8), 1e-6, x.view(12, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

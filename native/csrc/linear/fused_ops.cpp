@@ -70,7 +70,10 @@ void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, floa
 
 // out = (w * (x * rsqrt(mean(x^2) + eps))).to(T) with w in fp32: the rounding
 // of RMSNorms that scale before casting (OLMo 2's; Gemma's with w = 1 + weight).
-// Rows `xs` / `os` elements apart; out may be x (each row is read whole first).
+// With round_first, out = (w * (x * rsqrt(...)).to(T)).to(T): Qwen3's q/k
+// norms (Llama's rounding), exact with w holding T's values. w is one [H]
+// row, or one per head (row r of an [A, B, H] view takes w's row r % B).
+// Out may be x (each row is read whole first).
 // Where row r of a [A, B, H] view lies (a 2-D [R, H] one is B = 1): rows
 // may be slices of a wider tensor (a fused projection's q or k heads).
 struct RowMap {
@@ -79,13 +82,18 @@ struct RowMap {
 };
 
 template <typename T>
-void rms_norm_w32_rows(T* out, RowMap om, const T* x, RowMap xm, const float* w, int64_t rows, int64_t h, float eps) {
+void rms_norm_w32_rows(T* out, RowMap om, const T* x, RowMap xm, const float* w, int64_t w_step, bool round_first,
+                       int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + xm.at(r);
       T* orow = out + om.at(r);
+      const float* wr = w + (r % xm.B) * w_step;
       const float inv = inv_rms(xr, h, eps);
-      for (int64_t i = 0; i < h; ++i) orow[i] = static_cast<T>(w[i] * (static_cast<float>(xr[i]) * inv));
+      for (int64_t i = 0; i < h; ++i) {
+        const float y = static_cast<float>(xr[i]) * inv;
+        orow[i] = static_cast<T>(wr[i] * (round_first ? static_cast<float>(static_cast<T>(y)) : y));
+      }
     }
   });
 }
@@ -303,23 +311,25 @@ CB_AVX512BF16 float inv_rms_bf16(const c10::BFloat16* xr, int64_t h, float eps) 
   return 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + eps);
 }
 
-// orow = (w * (xr * inv)).to(bf16), w fp32; orow may be xr.
+// orow = (w * (xr * inv)).to(bf16), w fp32 (with round_first, xr * inv is
+// rounded to bf16 before the product); orow may be xr.
 CB_AVX512BF16 void scale_w32_bf16_row(c10::BFloat16* orow, const c10::BFloat16* xr, const float* w, int64_t h,
-                                      float inv) {
+                                      float inv, bool round_first = false) {
   const __m512 vinv = _mm512_set1_ps(inv);
   for (int64_t i = 0; i < h; i += 16) {
     const __mmask16 m = lanes(h - i);
-    const __m512 y = _mm512_mul_ps(load_bf16_masked(xr + i, m), vinv);
+    __m512 y = _mm512_mul_ps(load_bf16_masked(xr + i, m), vinv);
+    if (round_first) y = round_bf16(y);
     store_bf16(orow + i, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), y), m);
   }
 }
 
 void rms_norm_w32_bf16_avx512(c10::BFloat16* out, RowMap om, const c10::BFloat16* x, RowMap xm, const float* w,
-                              int64_t rows, int64_t h, float eps) {
+                              int64_t w_step, bool round_first, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const c10::BFloat16* xr = x + xm.at(r);
-      scale_w32_bf16_row(out + om.at(r), xr, w, h, inv_rms_bf16(xr, h, eps));
+      scale_w32_bf16_row(out + om.at(r), xr, w + (r % xm.B) * w_step, h, inv_rms_bf16(xr, h, eps), round_first);
     }
   });
 }
@@ -547,32 +557,36 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // (rms_norm_w32_rows), written into `out`.
 //   x, out [R, H] or [A, B, H] of one dtype, unit stride along H (rows may be
 //          strided: a slice of a fused projection, its heads); out may be x
-//   weight [H] fp32 contiguous
-void rms_norm_w32_(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
+//   weight [H] fp32 contiguous, or [B, H] (one row per head of an [A, B, H] x)
+//   round_first: round the normalised value to x's dtype before the weight
+void rms_norm_w32_(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out,
+                   bool round_first) {
   for (const torch::Tensor* t : {&x, static_cast<const torch::Tensor*>(&out)}) {
     TORCH_CHECK(t->device().is_cpu() && (t->dim() == 2 || t->dim() == 3) && t->stride(-1) == 1,
                 "x and out must be [R, H] or [A, B, H] CPU tensors with unit stride along H");
   }
   TORCH_CHECK(x.sizes() == out.sizes() && x.scalar_type() == out.scalar_type(), "x and out differ in shape or dtype");
+  const bool per_head = weight.dim() == 2 && x.dim() == 3 && weight.size(0) == x.size(1);
   TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
-                  weight.dim() == 1 && weight.size(0) == x.size(-1),
-              "weight must be fp32 [H]");
+                  (weight.dim() == 1 || per_head) && weight.size(-1) == x.size(-1),
+              "weight must be fp32 [H], or [B, H] for an [A, B, H] x");
   const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
   if (rows == 0 || h == 0) return;
   auto map = [](const torch::Tensor& t) {
     return t.dim() == 2 ? RowMap{1, t.stride(0), 0} : RowMap{t.size(1), t.stride(0), t.stride(1)};
   };
   const RowMap xm = map(x), om = map(out);
+  const int64_t w_step = per_head ? h : 0;
 #if CB_FUSED_X86
   if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
     rms_norm_w32_bf16_avx512(out.data_ptr<c10::BFloat16>(), om, x.data_ptr<c10::BFloat16>(), xm,
-                             weight.data_ptr<float>(), rows, h, static_cast<float>(eps));
+                             weight.data_ptr<float>(), w_step, round_first, rows, h, static_cast<float>(eps));
     return;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_w32_", [&] {
     rms_norm_w32_rows<scalar_t>(out.data_ptr<scalar_t>(), om, x.data_ptr<scalar_t>(), xm, weight.data_ptr<float>(),
-                                rows, h, static_cast<float>(eps));
+                                w_step, round_first, rows, h, static_cast<float>(eps));
   });
 }
 
@@ -832,9 +846,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
         "RMSNorm over the last dim with Hugging Face Llama rounding; returns a new tensor.");
   m.def("rms_norm_w32_", &rms_norm_w32_, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("round_first") = false, py::call_guard<py::gil_scoped_release>(),
         "out = (weight * (x * rsqrt(mean(x^2) + eps))).to(x.dtype) with an fp32 weight (OLMo 2 / Gemma "
-        "rounding); x and out [R, H] or [A, B, H], rows may be strided, out may be x.");
+        "rounding; round_first: (weight * (x * rsqrt(...)).to(x.dtype)).to(x.dtype), Qwen3's); x and out "
+        "[R, H] or [A, B, H], rows may be strided, out may be x; weight [H] or [B, H] (one row per head).");
   m.def("norm_add_w32_", &norm_add_w32_, py::arg("x"), py::arg("residual"), py::arg("w"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>(),
         "residual += rms_norm_w32(x, w) in place (model dtype): OLMo 2's post-block norm and residual add in "
