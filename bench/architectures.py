@@ -10,9 +10,11 @@ under the cache directory with SmolLM2's tokenizer, then the classic
 workload (64 random 128-token prompts, exponential outputs capped at 256,
 EOS ignored, one burst) runs through `python -m bench run` on cbserve
 (`cbserve-fcfs --model DIR`) and on vLLM-CPU (`vllm-cpu --model-dir DIR`),
-one after the other per architecture and repeat. Prints output tokens per
-second per run, the medians, and cbserve / vLLM-CPU; writes the runs to
---out. A system that cannot serve a checkpoint is reported with its error.
+one after the other, round by round (each round runs every architecture and
+system once). Prints output tokens per second per run, the medians,
+cbserve / vLLM-CPU and cbserve against the Llama as medians of the
+per-round ratios; writes the runs to --out. A system that cannot serve a
+checkpoint is reported with its error.
 """
 
 from __future__ import annotations
@@ -137,6 +139,35 @@ def roofline_bound(path: Path, cap: int = 256) -> dict:
     return {"tok_s": b.tokens_per_s, "gflops": gflops, "gb_s": gbs, "shapes": shapes}
 
 
+def _median_ratio(a: list[dict], b: list[dict]) -> float | None:
+    """The median over rounds of a / b, from the rounds where both ran."""
+    ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(a, b) if x["tok_s"] and y["tok_s"]]
+    return statistics.median(ratios) if ratios else None
+
+
+def summarise(results: dict[str, dict[str, list[dict]]], bounds: dict[str, dict]) -> dict[str, dict]:
+    """Per architecture: each system's median tok/s; cbserve / vLLM-CPU and
+    cbserve against the Llama of the same round (where the Llama ran), each
+    the median of the per-round ratios (a round's runs are minutes apart,
+    rounds may be an hour apart); the roofline bound where measured."""
+    llama = results.get("llama", {}).get("cbserve")
+    summary = {}
+    for arch, by in results.items():
+        med = {}
+        for name, runs in by.items():
+            ok = [r["tok_s"] for r in runs if r["tok_s"] is not None]
+            med[name] = statistics.median(ok) if ok else None
+        c = by.get("cbserve", [])
+        summary[arch] = {
+            "median": med,
+            "vs_vllm": _median_ratio(c, by["vllm-cpu"]) if "vllm-cpu" in by else None,
+            "of_llama": _median_ratio(c, llama) if llama and arch != "llama" else None,
+            "runs": by,
+            "bound": bounds.get(arch),
+        }
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.architectures", description=__doc__.split("\n\n")[0])
     default = ",".join(a for a in ARCHS if a not in SIZES)
@@ -159,36 +190,43 @@ def main(argv: list[str] | None = None) -> int:
     systems = [("cbserve", "cbserve-fcfs", "--model")]
     if not args.no_vllm and vllm_available():
         systems.append(("vllm-cpu", "vllm-cpu", "--model-dir"))
-    results: dict[str, dict[str, list]] = {}
-    for arch in archs:
-        path = checkpoint(arch, root)
-        results[arch] = {name: [] for name, _, _ in systems}
-        for rep in range(args.repeats):
+    paths = {arch: checkpoint(arch, root) for arch in archs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(summary: dict) -> None:
+        out.write_text(json.dumps({"workload": WORKLOAD, "shapes": SHAPES, "results": summary}, indent=1))
+
+    results: dict[str, dict[str, list]] = {arch: {name: [] for name, _, _ in systems} for arch in archs}
+    # Round by round (every architecture and system once per round), so that
+    # the host's drift over the session falls on all of them alike and each
+    # round's ratios compare runs minutes apart.
+    for rep in range(args.repeats):
+        for arch in archs:
             for name, system, flag in systems:
-                r = _run(system, flag, path, work / f"{arch}-{name}-{rep}.json")
+                r = _run(system, flag, paths[arch], work / f"{arch}-{name}-{rep}.json")
                 results[arch][name].append(r)
                 shown = f"{r['tok_s']:.1f} tok/s" if r["tok_s"] is not None else f"error: {r['error']}"
-                print(f"{arch:8} {name:9} run {rep + 1}: {shown}", flush=True)
+                print(f"{arch:8} {name:9} round {rep + 1}: {shown}", flush=True)
+                write({a: {"runs": by} for a, by in results.items()})  # so far, should the session end early
     bounds = {a: roofline_bound(root / a) for a in archs if a in SIZES}
-    print("\n| architecture | cbserve tok/s | vLLM-CPU tok/s | cbserve / vLLM-CPU | roofline bound tok/s |")
-    print("|---|---|---|---|---|")
-    summary = {}
-    for arch, by in results.items():
-        med = {}
-        for name, runs in by.items():
-            ok = [r["tok_s"] for r in runs if r["tok_s"] is not None]
-            med[name] = statistics.median(ok) if ok else None
-        c, v = med.get("cbserve"), med.get("vllm-cpu")
-        ratio = f"{c / v:.2f}x" if c and v else "-"
+    summary = summarise(results, bounds)
+    print(
+        "\n| architecture | cbserve tok/s | vLLM-CPU tok/s | cbserve / vLLM-CPU | of the Llama | roofline bound tok/s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for arch, s in summary.items():
+        c, v = s["median"].get("cbserve"), s["median"].get("vllm-cpu")
         cells = [f"{x:.1f}" if x else "error" for x in (c, v)]
-        b = bounds.get(arch)
+        ratio = f"{s['vs_vllm']:.2f}x" if s["vs_vllm"] else "-"
+        of_llama = f"{s['of_llama']:.0%}" if s["of_llama"] else "-"
+        b = s["bound"]
         shares = ""
         if b:
-            shares = f"{b['tok_s']:.0f} (" + ", ".join(f"{n} {x / b['tok_s']:.0%}" for n, x in med.items() if x) + ")"
-        print(f"| {arch} | {cells[0]} | {cells[1]} | {ratio} | {shares or '-'} |")
-        summary[arch] = {"median": med, "runs": by, "bound": b}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"workload": WORKLOAD, "shapes": SHAPES, "results": summary}, indent=1))
+            each = ", ".join(f"{n} {x / b['tok_s']:.0%}" for n, x in s["median"].items() if x)
+            shares = f"{b['tok_s']:.0f} ({each})"
+        print(f"| {arch} | {cells[0]} | {cells[1]} | {ratio} | {of_llama} | {shares or '-'} |")
+    write(summary)
     return 0
 
 

