@@ -71,6 +71,12 @@ def _store_prompt_logprobs(req: Request | None, plp) -> None:
             req.prompt_lps[at] = (lp, rank, list(plp.top_token_ids[top]), list(plp.top_logprobs[top]))
 
 
+# An idle engine checks that its executor still answers, as the same
+# instance, this often (and whenever the connection to it closes).
+IDLE_CHECK_S = 5.0
+IDLE_CHECK_TIMEOUT_S = 10.0
+
+
 def _retrieve(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()
@@ -356,7 +362,7 @@ class Engine:
                     if not sched.has_work():
                         self._update_gauges()
                         self._wake.clear()
-                        await self._wake.wait()
+                        await self._idle_wait()
                         continue
                     out = sched.schedule()
                     if out.is_empty():
@@ -412,6 +418,34 @@ class Engine:
             for task, _, _ in inflight:
                 task.add_done_callback(_retrieve)
                 task.cancel()
+
+    async def _idle_wait(self) -> None:
+        """Waits for work. Meanwhile the executor is watched, so one that dies
+        while nothing runs is noticed at once (health NOT_SERVING, then the
+        reconnect) rather than by the next request: its connection closing
+        wakes this up, and every IDLE_CHECK_S it must still answer Describe as
+        the same instance. Raises ExecutorUnavailable when it does not."""
+        wake = asyncio.ensure_future(self._wake.wait())
+        try:
+            while True:
+                waiters = {wake}
+                if self.client.connected():
+                    waiters.add(asyncio.ensure_future(self.client.wait_connection_change()))
+                done, pending = await asyncio.wait(waiters, timeout=IDLE_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
+                for task in pending - {wake}:
+                    task.cancel()
+                if wake in done or self._stop.is_set():
+                    return
+                try:
+                    d = await self.client.describe(timeout=IDLE_CHECK_TIMEOUT_S, wait_for_ready=False)
+                except ExecutorUnavailable:
+                    # Worded apart from a hung step's deadline: the supervisor
+                    # kills an executor only for that.
+                    raise ExecutorUnavailable("the executor stopped answering while idle") from None
+                if self.facts is not None and d.instance_id != self.facts.instance_id:
+                    raise ExecutorUnavailable("the executor restarted while idle")
+        finally:
+            wake.cancel()
 
     def _launch(self, out: SchedulerOutput) -> tuple[asyncio.Task, SchedulerOutput, float]:
         self._step_id += 1

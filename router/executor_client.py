@@ -68,13 +68,28 @@ class ExecutorClient:
             await self._channel.close()
         self._channel = self._stub = None
 
-    async def describe(self, timeout: float = 5.0) -> pb.DescribeResponse:
+    async def describe(self, timeout: float = 5.0, wait_for_ready: bool = True) -> pb.DescribeResponse:
+        """The executor's facts; waits up to `timeout` for a connection unless
+        `wait_for_ready` is false (then no connection fails at once)."""
         if self._stub is None:
             self._open()
         try:
-            return await self._stub.Describe(pb.DescribeRequest(), timeout=timeout, wait_for_ready=True)
+            return await self._stub.Describe(pb.DescribeRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as exc:
             raise ExecutorUnavailable(f"Describe failed: {exc.code().name}: {exc.details()}") from exc
+
+    def connected(self) -> bool:
+        """The channel holds a live connection to the executor now."""
+        return self._channel is not None and self._channel.get_state() == grpc.ChannelConnectivity.READY
+
+    async def wait_connection_change(self) -> None:
+        """Returns once a live connection closes or fails (a Unix-socket
+        executor that dies closes it at once); at once when none is live."""
+        if self._channel is None:
+            return
+        state = self._channel.get_state()
+        if state == grpc.ChannelConnectivity.READY:
+            await self._channel.wait_for_state_change(state)
 
     async def wait_ready(self, stop: asyncio.Event | None = None, timeout: float = 5.0) -> pb.DescribeResponse:
         """Describe (each waiting up to `timeout` for the connection) with

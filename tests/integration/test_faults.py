@@ -98,6 +98,32 @@ def test_executor_failure_ends_requests_unavailable_and_recovers(fault):
         server.stop()
 
 
+def test_an_executor_killed_while_the_router_is_idle_is_noticed_without_a_request():
+    """Nothing runs when the executor dies: the router notices by itself
+    (the connection closes), reports NOT_SERVING or logs the loss, and is
+    SERVING again on the restarted executor before any request arrives."""
+    server = start_server("tiny")
+    try:
+        router_pid = server.proc.pid
+        exe = server.executor_pid()
+        before = server.metrics()["cbserve_executor_reconnects_total"]
+        log_at = len(server.log())
+        os.kill(exe, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while "executor lost" not in server.log()[log_at:] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert "executor lost" in server.log()[log_at:], server.log()[log_at:][-2000:]
+        wait_serving(server.address, 60)
+        end = time.monotonic() + 30
+        while server.metrics()["cbserve_executor_reconnects_total"] <= before and time.monotonic() < end:
+            time.sleep(0.1)
+        assert server.metrics()["cbserve_executor_reconnects_total"] == before + 1
+        assert server.metrics().get("cbserve_requests_total{finish_reason=CANCELLED,status=UNAVAILABLE}", 0) == 0
+        _assert_recovered(server, router_pid)
+    finally:
+        server.stop()
+
+
 def test_sigterm_drains_in_flight_then_exits_zero():
     server = start_server("tiny", config={"server": {"drain_timeout_s": 20.0}})
     exe = server.executor_pid()
