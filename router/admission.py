@@ -58,7 +58,8 @@ async def admit(
         else:
             req = await build
         req.nbytes = nbytes
-        req.tenant = tenant
+        # Bounded here, on the event loop, right before the submit below.
+        tenant = req.tenant = engine.bounded_tenant(tenant)
         req.group = group
         # The tenant goes into every block hash under the request's own salt:
         # tenants never share prefix-cache blocks.

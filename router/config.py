@@ -35,7 +35,7 @@ __all__ = [
     "config_from_dict",
 ]
 
-BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic")
+BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic", "fair")
 # The --model values that mean the embedded SmolLM2 (executor/model_source.py takes the same).
 DEFAULT_MODEL_SPECS = ("smollm2", "default", "SmolLM2-135M-Instruct")
 # server.tool_call_parser's values: router/tool_calls.py reads the formats.
@@ -159,8 +159,24 @@ def check_executor_transport(ex: "ExecutorConfig") -> None:
 
 
 @dataclass
+class FairConfig:
+    """`scheduler.policy: fair`, per-tenant fair share (router/policies/fair.py):
+    each tenant's counter grows by the service it gets, divided by its weight;
+    the least-served backlogged tenant goes first."""
+
+    # Counter units per prompt token computed and per output token generated.
+    prompt_weight: float = 1.0
+    output_weight: float = 2.0
+    # Shares by tenant name ({tenant: weight}); a tenant not named has 1.
+    weights: dict = field(default_factory=dict)
+    # An under-served tenant's waiting request may take the seat (or the KV
+    # blocks) of the newest running request of the most over-served tenant.
+    preempt: bool = True
+
+
+@dataclass
 class SchedulerConfig:
-    # fcfs | sjf | priority | static | dynamic, or module:Class for your own.
+    # fcfs | sjf | priority | static | dynamic | fair, or module:Class for your own.
     policy: str = "fcfs"
     # Most sequences in one iteration (bounds batch size and executor state).
     max_num_seqs: int = 64
@@ -182,6 +198,12 @@ class SchedulerConfig:
     # Steady-state decode: send the next plan while the current one runs, so
     # the executor never waits for the router (see Scheduler.schedule_ahead).
     pipeline_decode: bool = True
+    # With auth off, a request's tenant is this header (HTTP) or metadata key
+    # (gRPC), else the OpenAI `user` field, else `default`. It is the header
+    # the Gateway API Inference Extension sends. Ignored with auth on: the
+    # token names the tenant.
+    tenant_header: str = "x-gateway-inference-fairness-id"
+    fair: FairConfig = field(default_factory=FairConfig)
 
 
 @dataclass
@@ -214,6 +236,9 @@ class LimitsConfig:
     grammar_compile_timeout_s: float = 10.0
     # Largest OpenAI `n` (completions per prompt).
     max_n: int = 8
+    # Distinct tenants with requests in flight (one model); the requests of
+    # any further tenant share the one tenant `~overflow`.
+    max_tenants: int = 1024
 
 
 @dataclass
@@ -332,6 +357,9 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     _positive(s.sjf_max_wait_s, "scheduler.sjf_max_wait_s")
     _positive(s.static_batch_size, "scheduler.static_batch_size")
     _positive(s.dynamic_max_wait_ms, "scheduler.dynamic_max_wait_ms", True)
+    _validate_fair(s.fair)
+    if not s.tenant_header or not all(c.isalnum() or c in "-_." for c in s.tenant_header):
+        raise ConfigError(f"scheduler.tenant_header: {s.tenant_header!r} is not a header name (letters, digits, - _ .)")
     validate_cache(cfg.cache)
     lim = cfg.limits
     for name in (
@@ -350,6 +378,7 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         "max_stream_buffer",
         "grammar_compile_timeout_s",
         "max_n",
+        "max_tenants",
     ):
         _positive(getattr(lim, name), f"limits.{name}")
     if lim.default_max_new_tokens > lim.max_new_tokens:
@@ -405,6 +434,20 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     if cfg.logging.format not in ("json", "console", "auto"):
         raise ConfigError(f"logging.format: {cfg.logging.format!r} is not json|console|auto")
     return cfg
+
+
+def _validate_fair(f: FairConfig) -> None:
+    _positive(f.prompt_weight, "scheduler.fair.prompt_weight", True)
+    _positive(f.output_weight, "scheduler.fair.output_weight", True)
+    if f.prompt_weight == 0 and f.output_weight == 0:
+        raise ConfigError("scheduler.fair: prompt_weight and output_weight cannot both be 0 (nothing would be charged)")
+    if not isinstance(f.weights, dict):
+        raise ConfigError(f"scheduler.fair.weights: expected a mapping of tenant to weight, got {f.weights!r}")
+    for tenant, w in f.weights.items():
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"scheduler.fair.weights: {tenant!r} is not a tenant name")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w == float("inf"):
+            raise ConfigError(f"scheduler.fair.weights.{tenant}: expected a positive number, got {w!r}")
 
 
 def config_from_dict(data: dict[str, Any] | None) -> RouterConfig:

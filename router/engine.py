@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -27,6 +27,7 @@ from router.plan import encode_plan
 from router.policies import make_policy
 from router.request import Finish, Request, Status
 from router.scheduler import Scheduler, SchedulerOutput
+from router.tenants import OVERFLOW_TENANT
 from router.tokenizer import Tokenizer
 from router.tracing import RequestTracer
 from router.validation import sampling_defaults
@@ -201,6 +202,11 @@ class Engine:
         self._ready_callbacks: list[Callable[[bool], None]] = []
         self._seen: dict[int, int] = {}  # counter id -> scheduler total already exported
         self._gauge_policy = ""
+        # Tenants with requests in this engine (at most limits.max_tenants,
+        # plus ~overflow), and the tenants that have metric series, least
+        # recently used first: both bounded, whatever ids clients send.
+        self.tenants_live: dict[str, int] = {}
+        self._tenant_series: OrderedDict[str, None] = OrderedDict()
 
     # -- lifecycle --------------------------------------------------------------
     def on_ready_change(self, fn: Callable[[bool], None]) -> None:
@@ -283,6 +289,36 @@ class Engine:
         self._set_ready(True)
 
     # -- intake -----------------------------------------------------------------
+    def bounded_tenant(self, tenant: str) -> str:
+        """`tenant`, or the shared overflow tenant once limits.max_tenants
+        other tenants have requests in flight."""
+        if tenant in self.tenants_live or len(self.tenants_live) < self.cfg.limits.max_tenants:
+            return tenant
+        return OVERFLOW_TENANT
+
+    def _tenant_in(self, tenant: str) -> None:
+        self.tenants_live[tenant] = self.tenants_live.get(tenant, 0) + 1
+        self._tenant_series[tenant] = None
+        self._tenant_series.move_to_end(tenant)
+        # Series of tenants with nothing in flight go, oldest first, beyond
+        # the bound (they come back with the tenant's next request).
+        excess = len(self._tenant_series) - (self.cfg.limits.max_tenants + 1)
+        for name in list(self._tenant_series):
+            if excess <= 0:
+                break
+            if name not in self.tenants_live:
+                del self._tenant_series[name]
+                for metric in (self.metrics.tenant_requests, self.metrics.tenant_service_tokens):
+                    metric.remove_where(tenant=name)
+                excess -= 1
+
+    def _tenant_out(self, tenant: str) -> None:
+        n = self.tenants_live.get(tenant, 0) - 1
+        if n > 0:
+            self.tenants_live[tenant] = n
+        else:
+            self.tenants_live.pop(tenant, None)
+
     def submit(self, req: Request) -> RequestHandle:
         handle = RequestHandle(
             req,
@@ -290,6 +326,7 @@ class Engine:
             self,
         )
         self.handles[req.request_id] = handle
+        self._tenant_in(req.tenant)
         if self.tracer is not None:
             handle.span = self.tracer.start(req)
         self.scheduler.add(req)
@@ -397,6 +434,7 @@ class Engine:
                     tops=_tops(result) if result.top_counts else None,
                 )
                 self._emit(events, out)
+                self._count_service(out, events)
                 for seq_id, why in zip(result.failed_seq_ids, result.failed_reasons):
                     req = sched.by_seq.get(seq_id)
                     if req is not None:  # one request's inputs: it fails, the batch goes on
@@ -533,6 +571,7 @@ class Engine:
         if handle is None or handle.done:
             return
         handle.done = True
+        self._tenant_out(req.tenant)
         if delta.error is None and delta.finish is not None:
             delta = handle.take_held(delta)
             delta.text += handle.detok.take(final=True)
@@ -588,6 +627,27 @@ class Engine:
         m.prompt_tokens_computed.inc(out.num_prompt_tokens)
         self._update_gauges()
 
+    def _count_service(self, out: SchedulerOutput, events) -> None:
+        """cbserve_tenant_service_tokens: what each tenant got from a step."""
+        served: dict[tuple[str, str], int] = {}
+        for item in out.seqs:
+            if item.num_prompt_tokens:
+                key = (item.req.tenant, "prompt")
+                served[key] = served.get(key, 0) + item.num_prompt_tokens
+        for ev in events:
+            key = (ev.req.tenant, "output")
+            served[key] = served.get(key, 0) + len(ev.token_ids)
+        for (tenant, kind), n in served.items():
+            self.metrics.tenant_service_tokens.labels(tenant=tenant, kind=kind).inc(n)
+
+    def _update_tenant_counters(self, policy) -> None:
+        counters = policy.counters() if hasattr(policy, "counters") else {}
+        gauge = self.metrics.tenant_counter
+        for name in gauge.label_values("tenant") - counters.keys():
+            gauge.remove_where(tenant=name)
+        for name, value in counters.items():
+            gauge.labels(tenant=name).set(value)
+
     def _update_gauges(self) -> None:
         sched = self.scheduler
         if sched is None:
@@ -604,6 +664,7 @@ class Engine:
             self._gauge_policy = policy
         for name, queue in (("waiting", sched.waiting), ("running", sched.running), ("swapped", sched.swapped)):
             m.queue_requests.labels(policy=policy, queue=name).set(len(queue))
+        self._update_tenant_counters(sched.policy)
         b = sched.blocks
         for counter, total in (
             (m.num_preemptions, sched.num_preemptions),

@@ -37,6 +37,7 @@ from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle, merged
 from router.models import Models
 from router.request import Finish
+from router.tenants import request_tenant
 from router.validation import ROLES, RequestError, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)
@@ -600,6 +601,12 @@ class ModelApi:
         (bound to the logs)."""
         self._check_supported(body)
         rid = self._request_id(request)
+        request.state.tenant = request_tenant(
+            self.engine.auth,
+            request.state.tenant,
+            request.headers.get(self.engine.cfg.scheduler.tenant_header),
+            body.user,
+        )
         structlog.contextvars.bind_contextvars(request_id=rid, tenant=request.state.tenant, model=self.engine.name)
         return rid
 

@@ -87,6 +87,18 @@ class Metrics:
             ["model", "tenant", "status"],
             registry=r,
         )
+        self.tenant_service_tokens = Counter(
+            "cbserve_tenant_service_tokens",
+            "Service delivered by tenant: prompt tokens computed (recomputation included) and output tokens generated",
+            ["model", "tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_counter = Gauge(
+            "cbserve_tenant_counter",
+            "scheduler.policy fair: the tenant's virtual token counter (weighted service; the least goes first)",
+            ["model", "tenant"],
+            registry=r,
+        )
         self.request_errors = Counter(
             "cbserve_request_errors",
             "Requests refused before admission, by gRPC status",
@@ -189,6 +201,18 @@ class _Labelled:
         for values in self._children:
             self._metric.remove(self._model, *values)
         self._children.clear()
+
+    def remove_where(self, **kw: str) -> None:
+        """Removes this model's series whose labels have these values."""
+        names = self._metric._labelnames[1:]
+        want = {names.index(k): str(v) for k, v in kw.items()}
+        for values in [v for v in self._children if all(v[i] == x for i, x in want.items())]:
+            self._metric.remove(self._model, *values)
+            self._children.discard(values)
+
+    def label_values(self, name: str) -> set[str]:
+        i = self._metric._labelnames[1:].index(name)
+        return {v[i] for v in self._children}
 
 
 class ModelMetrics:

@@ -83,12 +83,14 @@ class Scheduler:
         self._to_free: list[int] = []  # executor state to drop with the next plan
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions that swapped out (not recomputed)
+        self.policy.attach(self)
 
     # -- intake -------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
         self.waiting.append(req)
         self.by_seq[req.seq_id] = req
+        self.policy.on_arrival(req)
 
     def _group_prefilling(self, group: str) -> bool:
         return any(r.group == group and r.num_computed_tokens < len(r.prompt_token_ids) for r in self.running)
@@ -100,9 +102,13 @@ class Scheduler:
         return sum(r.num_uncomputed for r in self.waiting)
 
     def set_policy(self, cfg: SchedulerConfig, policy: Policy) -> None:
-        """Applied from the next iteration; in-flight requests stay where they are."""
+        """Applied from the next iteration; in-flight requests stay where they
+        are. A policy of the same kind takes over the old one's state."""
         self.cfg = cfg
+        if type(policy) is type(self.policy):
+            policy.adopt(self.policy)
         self.policy = policy
+        policy.attach(self)
 
     # -- the one release path -------------------------------------------------
     def finish(self, req: Request, reason: Finish) -> None:
@@ -120,6 +126,7 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish = reason
         self.by_seq.pop(req.seq_id, None)
+        self.policy.on_finished(req)
 
     def reset(self) -> list[Request]:
         """The executor lost its state: every request is released; returns
@@ -169,12 +176,15 @@ class Scheduler:
         for cand in sorted(self.waiting, key=lambda r: self.policy.waiting_key(r, now)):
             first_chunk = min(cand.num_tokens, self.cfg.max_num_batched_tokens)
             while self.running:
-                victim = max(self.running, key=self.policy.running_key)
                 seats = len(self.running) >= self.cfg.max_num_seqs
                 memory = not self.blocks.can_allocate(cand, first_chunk, reserve=self.blocks.watermark_blocks)
-                if not (seats or memory) or not self.policy.outranks(cand, victim):
+                if not (seats or memory):
                     break
-                self._preempt(victim, out)
+                # The highest-ranked (by running_key) of those it outranks.
+                victims = [r for r in self.running if self.policy.outranks(cand, r)]
+                if not victims:
+                    break
+                self._preempt(max(victims, key=self.policy.running_key), out)
             if len(self.running) >= self.cfg.max_num_seqs:
                 break
 
@@ -183,6 +193,7 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         out = SchedulerOutput(free_seq_ids=self._to_free)
         self._to_free = []
+        self.policy.begin_iteration()
         self._priority_preemption(now, out)
         budget = self.cfg.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -372,12 +383,15 @@ class Scheduler:
             req.executor_has_state = True
             req.num_computed_tokens += item.num_tokens
             self.blocks.commit_computed(req)
+            if item.num_prompt_tokens:
+                self.policy.on_service(req, item.num_prompt_tokens, 0)
         events = []
         for i, (seq_id, tok) in enumerate(zip(seq_ids, token_ids)):
             req = self.by_seq.get(seq_id)
             if req is None or req.status != Status.RUNNING:
                 continue  # finished or aborted while the step ran
             req.output_token_ids.append(tok)
+            self.policy.on_service(req, 0, 1)
             lp = logprobs[i] if logprobs else None
             if lp is not None and req.sampling.logprobs:
                 req.output_logprobs.append(lp)

@@ -19,6 +19,7 @@ from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle, merged
 from router.models import Models
+from router.tenants import metadata_value, request_tenant
 from router.validation import RequestError, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)
@@ -52,7 +53,12 @@ class GenerationService(gpb_grpc.GenerationServicer):
         except RequestError as exc:
             await self._refuse(context, exc.code, exc.message, engine)
         try:
-            tenant = engine.auth.tenant_of_metadata(context.invocation_metadata())
+            metadata = context.invocation_metadata()
+            tenant = request_tenant(
+                engine.auth,
+                engine.auth.tenant_of_metadata(metadata),
+                metadata_value(metadata, engine.cfg.scheduler.tenant_header),
+            )
             handles = await admit_all(engine, engine.cfg, pairs, context.time_remaining(), tenant)
         except RequestError as exc:
             await _abort(context, (exc.code, exc.message))

@@ -29,9 +29,14 @@ def test_every_config_key_is_documented():
                     missing.append(f"{section.name}[].{f.name}")
             continue
         for f in dataclasses.fields(value):
-            # Keys are listed as `section.key`, or `section.a` / `section.b` on one row.
-            if not re.search(rf"`{section.name}\.{f.name}`", text):
-                missing.append(f"{section.name}.{f.name}")
+            # Keys are listed as `section.key`, or `section.a` / `section.b` on one row;
+            # a nested section's as `section.key.sub`.
+            sub = getattr(value, f.name)
+            nested = dataclasses.is_dataclass(sub)
+            keys = [f"{f.name}.{g.name}" for g in dataclasses.fields(sub)] if nested else [f.name]
+            for key in keys:
+                if not re.search(rf"`{section.name}\.{re.escape(key)}`", text):
+                    missing.append(f"{section.name}.{key}")
     assert not missing, f"docs/configuration.md lacks: {missing}"
 
 

@@ -6,12 +6,13 @@ import importlib
 
 from router.config import ConfigError, SchedulerConfig
 from router.policies.base import Policy
+from router.policies.fair import FairPolicy
 from router.policies.fcfs import FCFSPolicy
 from router.policies.priority import PriorityPolicy
 from router.policies.sjf import SJFPolicy
 from router.policies.static import DynamicPolicy, StaticPolicy
 
-BUILTIN = {p.name: p for p in (FCFSPolicy, SJFPolicy, PriorityPolicy, StaticPolicy, DynamicPolicy)}
+BUILTIN = {p.name: p for p in (FCFSPolicy, SJFPolicy, PriorityPolicy, StaticPolicy, DynamicPolicy, FairPolicy)}
 
 
 def make_policy(cfg: SchedulerConfig) -> Policy:

@@ -33,6 +33,27 @@ class Policy:
         """How many waiting requests may start this iteration."""
         return math.inf
 
+    def attach(self, scheduler) -> None:
+        """Called when the policy starts serving `scheduler` (at start and
+        after a reload, with requests possibly already queued)."""
+
+    def adopt(self, old: "Policy") -> None:
+        """A reload replaces `old` by this policy: carry over what should
+        survive it (fair share's counters)."""
+
+    def begin_iteration(self) -> None:
+        """Called at the start of every Scheduler.schedule."""
+
+    def on_arrival(self, req: Request) -> None:
+        """Called for every request that enters the queue."""
+
+    def on_finished(self, req: Request) -> None:
+        """Called once for every request that ends, whatever way."""
+
+    def on_service(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
+        """Called after each step with the prompt tokens it computed for
+        `req` (recomputation included) and the tokens it generated."""
+
     def on_admitted(self, req: Request) -> None:
         """Called for every waiting request that starts running."""
 

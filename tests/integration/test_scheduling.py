@@ -387,3 +387,97 @@ def test_static_batch_blocks_newcomers_fcfs_does_not(big, policy):
         assert order[0] == "late", f"fcfs: the newcomer joins at once: {order}"
         assert late["queue_s"] < ran_s, late
     wait_idle(big)
+
+
+# -- fair share (scheduler.policy: fair) -----------------------------------------------------
+TENANT_HEADER = "x-gateway-inference-fairness-id"
+
+
+def _tenant_stream(server, req, out: dict, key, tenant: str) -> None:
+    rec = {"ids": [], "finish": None}
+    try:
+        with server.channel() as ch:
+            for m in stub(ch).Generate(req, timeout=120, metadata=[(TENANT_HEADER, tenant)]):
+                rec["ids"].extend(m.token_ids)
+                if m.finish_reason:
+                    rec["finish"] = m.finish_reason
+    except Exception as exc:  # reported by the asserting test
+        rec["error"] = repr(exc)
+    rec["end"] = time.monotonic()
+    out[key] = rec
+
+
+def _tenant_streams(server, reqs: dict, tenant: str, out: dict) -> list[threading.Thread]:
+    threads = [
+        threading.Thread(target=_tenant_stream, args=(server, r, out, k, tenant), daemon=True) for k, r in reqs.items()
+    ]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_fair_share_serves_a_light_tenant_through_a_flood_and_keeps_counters_on_reload(big):
+    """Tenants from the gateway's header (auth off). A flood starts under
+    fcfs, the policy becomes fair under load (SIGHUP), a light tenant's
+    request then runs at once (it preempts the flood's newest request) and
+    ends before every flooding one; a reload that keeps fair keeps the
+    counters."""
+    reconfigure(big, {"policy": "fcfs", "max_num_seqs": 2})
+    before = big.metrics()
+    heavy = {f"heavy{i}": gen_request([50 + i] * 16, max_new=150) for i in range(6)}
+    out: dict = {}
+    threads = _tenant_streams(big, heavy, "heavy", out)
+    wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 2 and m["cbserve_num_requests_waiting"] == 4)
+    reconfigure(big, {"policy": "fair", "max_num_seqs": 2})
+    assert policy_of(big) == "fair"
+    m = wait_metric(big, lambda m: m.get("cbserve_tenant_counter{tenant=heavy}", 0) > 0)
+    counter = m["cbserve_tenant_counter{tenant=heavy}"]
+    # Same policy, other weights: the counters carry over.
+    reconfigure(big, {"policy": "fair", "max_num_seqs": 2, "fair": {"weights": {"light": 2}}})
+    assert big.metrics()["cbserve_tenant_counter{tenant=heavy}"] >= counter
+    submitted = big.metrics()["cbserve_prompt_tokens_total"]
+    with executor_held(big):  # the flood cannot move on while the light request connects
+        threads += _tenant_streams(big, {"light": gen_request([99] * 16, max_new=10)}, "light", out)
+        wait_submitted(big, submitted, 16)
+    for t in threads:
+        t.join(120)
+    assert all("error" not in r and r["finish"] == gpb.LENGTH for r in out.values()), out
+    assert out["light"]["end"] < min(out[k]["end"] for k in heavy)
+    m = wait_idle(big)
+    served = "cbserve_tenant_service_tokens_total{kind=output,tenant=%s}"
+    assert m[served % "light"] - before.get(served % "light", 0) == 10
+    assert m[served % "heavy"] - before.get(served % "heavy", 0) == 6 * 150
+    assert m["cbserve_num_preemptions_total"] > before["cbserve_num_preemptions_total"]
+
+
+def test_tenant_from_the_http_header_then_the_user_field(big):
+    import httpx
+
+    reconfigure(big, {"policy": "fair"})
+    base = f"http://127.0.0.1:{big.http_port}/v1"
+    model = httpx.get(f"{base}/models").json()["data"][0]["id"]
+    long_user = "a user id with spaces and more than sixty-four characters, which is hashed"
+
+    def complete(headers=None, user=None):
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+        if user is not None:
+            body["user"] = user
+        r = httpx.post(f"{base}/completions", json=body, headers=headers or {}, timeout=60)
+        assert r.status_code == 200, r.text
+
+    before = big.metrics()
+    complete(headers={TENANT_HEADER: "web-team"}, user="ignored-when-the-header-is-there")
+    complete(user="alice@example.com")
+    complete(user=long_user)
+    complete()
+    m = big.metrics()
+
+    def served(tenant):
+        key = f"cbserve_tenant_service_tokens_total{{kind=output,tenant={tenant}}}"
+        return m.get(key, 0) - before.get(key, 0)
+
+    hashed = [k for k in m if k.startswith("cbserve_tenant_service_tokens_total{kind=output,tenant=#")]
+    assert served("web-team") == 3 and served("alice@example.com") == 3 and served("default") == 3
+    assert served("ignored-when-the-header-is-there") == 0
+    assert len(hashed) == 1 and served(hashed[0].split("tenant=")[1].rstrip("}")) == 3
+    wait_idle(big)

@@ -285,8 +285,13 @@ def test_tenants_never_share_prefix_cache_blocks_and_are_counted_apart(tmp_path)
     prompt = list(range(5, 45))  # two full 16-token blocks and a partial one
 
     def cached(token):
+        # With auth on, the gateway's tenant header names no tenant: a client
+        # cannot speak for another (here team-a's calls claim team-b).
+        spoof = ("x-gateway-inference-fairness-id", "team-b")
         with server.channel() as ch:
-            out = stub(ch).Complete(gen_request(prompt, max_new=2), metadata=[("authorization", f"Bearer {token}")])
+            out = stub(ch).Complete(
+                gen_request(prompt, max_new=2), metadata=[("authorization", f"Bearer {token}"), spoof]
+            )
         return out.usage.cached_prompt_tokens
 
     try:
@@ -310,13 +315,14 @@ def test_tenants_never_share_prefix_cache_blocks_and_are_counted_apart(tmp_path)
         model = httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer tok-b"}).json()["data"][0]["id"]
         r = httpx.post(
             f"{base}/v1/completions",
-            json={"model": model, "prompt": prompt, "max_tokens": 2},
-            headers={"authorization": "Bearer tok-b"},
+            json={"model": model, "prompt": prompt, "max_tokens": 2, "user": "team-a"},
+            headers={"authorization": "Bearer tok-b", "x-gateway-inference-fairness-id": "team-a"},
         )
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
         m = server.metrics()
         assert m["cbserve_tenant_requests_total{status=OK,tenant=team-a}"] == 2
         assert m["cbserve_tenant_requests_total{status=OK,tenant=team-b}"] == 3
+        assert m["cbserve_tenant_service_tokens_total{kind=output,tenant=team-b}"] == 3 * 2
         assert '"tenant": "team-b"' in server.log() or "tenant=team-b" in server.log()
     finally:
         server.stop()

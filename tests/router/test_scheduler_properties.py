@@ -18,7 +18,7 @@ from tests.router.router_factories import (
     token_for,
 )
 
-POLICIES = ["fcfs", "sjf", "priority", "static", "dynamic"]
+POLICIES = ["fcfs", "sjf", "priority", "static", "dynamic", "fair"]
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -40,6 +40,8 @@ def workloads(draw):
                 arrival=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])) + i * 1e-3,
                 # Iteration at which the request is added (while others run).
                 join=draw(st.sampled_from([0, 0, 1, 2, 4])),
+                # The sender (fair share orders and preempts by tenant).
+                tenant=draw(st.sampled_from(["a", "b", "c"])),
             )
         )
     return specs
@@ -63,6 +65,7 @@ def build(specs):
                 expected_output_tokens=s["expected"],
             )
         )
+        reqs[-1].tenant = s["tenant"]
     return reqs
 
 
