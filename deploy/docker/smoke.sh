@@ -66,7 +66,7 @@ probe() {  # container, probe command; prints the probe's output
   docker exec "$1" $2 2>&1
 }
 wait_healthy "$name-executor" unix:///sock/executor.sock 600
-conversions() { docker logs "$name-executor" 2>&1 | grep -c "converted GGUF checkpoint" || true; }
+conversions() { docker logs "$name-executor" 2>&1 | grep "converted GGUF checkpoint" | grep -vc reusing || true; }
 reuses() { docker logs "$name-executor" 2>&1 | grep -c "reusing converted GGUF checkpoint" || true; }
 [ "$(conversions)" = 1 ] || { echo "smoke: the first start on an empty cache did not convert the model" >&2; exit 1; }
 echo "smoke: first start on an empty cache volume converted the model"

@@ -32,7 +32,7 @@ def _engine_answers() -> str | None:
     except subprocess.TimeoutExpired:
         return "`docker info` timed out"
     if r.returncode != 0:
-        return "no Docker engine answers (`docker info` failed; ../shared/tools/docker-engine starts one)"
+        return "no Docker engine answers (`docker info` failed; docs/deploy.md says how to build the images)"
     return None
 
 
