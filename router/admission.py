@@ -12,8 +12,9 @@ import uuid
 import grpc
 
 from cbserve.v1 import generation_pb2 as gpb
-from router.config import RouterConfig
+from router.config import RouterConfig, SchedulerConfig
 from router.engine import Engine, RequestHandle
+from router.policies.slo import miss_message, rejects_misses
 from router.validation import RequestError, build_request
 
 
@@ -32,6 +33,7 @@ async def admit(
     try:
         _check_serving(engine)
         msg.DiscardUnknownFields()  # nothing a client adds outlives this call
+        slo_class = slo_targets(engine.cfg.scheduler, msg.slo_class)
         nbytes = msg.ByteSize()
         facts = engine.facts
         usable_blocks = facts.num_blocks - engine.scheduler.blocks.watermark_blocks
@@ -58,6 +60,9 @@ async def admit(
         else:
             req = await build
         req.nbytes = nbytes
+        req.slo_class, ttft_s, req.tpot_s = slo_class
+        if ttft_s is not None:
+            req.ttft_deadline = req.arrival_time + ttft_s
         # Bounded here, on the event loop, right before the submit below.
         tenant = req.tenant = engine.bounded_tenant(tenant)
         req.group = group
@@ -73,6 +78,21 @@ async def admit(
     except RequestError as exc:
         engine.metrics.request_errors.labels(status=exc.code.name).inc()
         raise
+
+
+def slo_targets(sched: SchedulerConfig, name: str) -> tuple[str, float | None, float | None]:
+    """(class, TTFT seconds, TPOT seconds) of a request naming SLO class
+    `name` (empty: scheduler.default_slo_class); INVALID_ARGUMENT for a
+    class the configuration does not define."""
+    name = name or sched.default_slo_class
+    if not name:
+        return "", None, None
+    targets = sched.slo_classes.get(name)
+    if targets is None:
+        known = ", ".join(sorted(sched.slo_classes)) or "none are configured (scheduler.slo_classes)"
+        shown = name if len(name) <= 64 else name[:64] + "..."
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"slo_class: {shown!r} is not a known class ({known})")
+    return name, targets["ttft_ms"] / 1000.0, targets["tpot_ms"] / 1000.0
 
 
 def siblings(msg: gpb.GenerateRequest, n: int, max_n: int) -> list[tuple[gpb.GenerateRequest, str | None]]:
@@ -160,4 +180,7 @@ def _enqueue(engine: Engine, cfg: RouterConfig, req) -> RequestHandle:
         raise RequestError(
             grpc.StatusCode.RESOURCE_EXHAUSTED, f"the queue is full ({lim.max_queued_bytes} bytes of requests waiting)"
         )
+    if rejects_misses(sched) and sched.policy.cannot_meet(req, time.monotonic()):
+        engine.count_slo(req, "rejected")
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, miss_message(req))
     return engine.submit(req)

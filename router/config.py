@@ -35,7 +35,7 @@ __all__ = [
     "config_from_dict",
 ]
 
-BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic", "fair")
+BUILTIN_POLICIES = ("fcfs", "sjf", "priority", "static", "dynamic", "fair", "slo")
 # The --model values that mean the embedded SmolLM2 (executor/model_source.py takes the same).
 DEFAULT_MODEL_SPECS = ("smollm2", "default", "SmolLM2-135M-Instruct")
 # server.tool_call_parser's values: router/tool_calls.py reads the formats.
@@ -175,6 +175,16 @@ class FairConfig:
 
 
 @dataclass
+class SloConfig:
+    """`scheduler.policy: slo` (router/policies/slo.py)."""
+
+    # A waiting request that can no longer meet its TTFT: `deprioritize`
+    # serves it after those that still can; `reject` ends it at once with
+    # RESOURCE_EXHAUSTED (HTTP 429), as it does a new request that cannot.
+    on_miss: str = "deprioritize"
+
+
+@dataclass
 class SchedulerConfig:
     # fcfs | sjf | priority | static | dynamic | fair, or module:Class for your own.
     policy: str = "fcfs"
@@ -204,6 +214,14 @@ class SchedulerConfig:
     # token names the tenant.
     tenant_header: str = "x-gateway-inference-fairness-id"
     fair: FairConfig = field(default_factory=FairConfig)
+    # SLO classes a request may name (gRPC / body field `slo_class`, header
+    # `x-slo-class`): {name: {ttft_ms: T, tpot_ms: P}}. Every policy counts
+    # cbserve_slo_requests_total by class; `slo` (and `fair`, within a
+    # tenant) orders by them.
+    slo_classes: dict = field(default_factory=dict)
+    # The class of a request that names none; empty = no class.
+    default_slo_class: str = ""
+    slo: SloConfig = field(default_factory=SloConfig)
 
 
 @dataclass
@@ -358,6 +376,7 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     _positive(s.static_batch_size, "scheduler.static_batch_size")
     _positive(s.dynamic_max_wait_ms, "scheduler.dynamic_max_wait_ms", True)
     _validate_fair(s.fair)
+    _validate_slo(s)
     if not s.tenant_header or not all(c.isalnum() or c in "-_." for c in s.tenant_header):
         raise ConfigError(f"scheduler.tenant_header: {s.tenant_header!r} is not a header name (letters, digits, - _ .)")
     validate_cache(cfg.cache)
@@ -448,6 +467,34 @@ def _validate_fair(f: FairConfig) -> None:
             raise ConfigError(f"scheduler.fair.weights: {tenant!r} is not a tenant name")
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w == float("inf"):
             raise ConfigError(f"scheduler.fair.weights.{tenant}: expected a positive number, got {w!r}")
+
+
+SLO_CLASS_KEYS = ("ttft_ms", "tpot_ms")
+
+
+def _validate_slo(s: SchedulerConfig) -> None:
+    if not isinstance(s.slo_classes, dict):
+        raise ConfigError(f"scheduler.slo_classes: expected a mapping of class to targets, got {s.slo_classes!r}")
+    for name, targets in s.slo_classes.items():
+        where = f"scheduler.slo_classes.{name}"
+        if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_." for c in name):
+            raise ConfigError(f"scheduler.slo_classes: {name!r} is not a class name (letters, digits, - _ .)")
+        if not isinstance(targets, dict):
+            raise ConfigError(f"{where}: expected a mapping with ttft_ms and tpot_ms, got {targets!r}")
+        for key, value in targets.items():
+            if key not in SLO_CLASS_KEYS:
+                raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(SLO_CLASS_KEYS)})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{where}.{key}: expected a positive number of milliseconds, got {value!r}")
+        missing = [k for k in SLO_CLASS_KEYS if k not in targets]
+        if missing:
+            raise ConfigError(f"{where}: {' and '.join(missing)} required")
+    if s.default_slo_class and s.default_slo_class not in s.slo_classes:
+        raise ConfigError(f"scheduler.default_slo_class: {s.default_slo_class!r} is not in scheduler.slo_classes")
+    if s.slo.on_miss not in ("deprioritize", "reject"):
+        raise ConfigError(f"scheduler.slo.on_miss: {s.slo.on_miss!r} must be 'deprioritize' or 'reject'")
+    if s.policy == "slo" and not s.slo_classes:
+        raise ConfigError("scheduler.policy slo needs scheduler.slo_classes (at least one class)")
 
 
 def config_from_dict(data: dict[str, Any] | None) -> RouterConfig:

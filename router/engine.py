@@ -25,6 +25,7 @@ from router.executor_client import ExecutorClient, ExecutorUnavailable, PlanReje
 from router.metrics import Metrics
 from router.plan import encode_plan
 from router.policies import make_policy
+from router.policies.slo import miss_message, rejects_misses
 from router.request import Finish, Request, Status
 from router.scheduler import Scheduler, SchedulerOutput
 from router.tenants import OVERFLOW_TENANT
@@ -75,6 +76,7 @@ def _store_prompt_logprobs(req: Request | None, plp) -> None:
 # An idle engine checks that its executor still answers, as the same
 # instance, this often (and whenever the connection to it closes).
 IDLE_CHECK_S = 5.0
+SLO_GOODPUT_WINDOW_S = 60.0
 IDLE_CHECK_TIMEOUT_S = 10.0
 
 
@@ -205,6 +207,7 @@ class Engine:
         # Tenants with requests in this engine (at most limits.max_tenants,
         # plus ~overflow), and the tenants that have metric series, least
         # recently used first: both bounded, whatever ids clients send.
+        self._slo_met: deque[float] = deque()  # when requests met their SLO (the goodput gauge's window)
         self.tenants_live: dict[str, int] = {}
         self._tenant_series: OrderedDict[str, None] = OrderedDict()
 
@@ -394,6 +397,7 @@ class Engine:
         try:
             while not self._stop.is_set():
                 if not inflight:
+                    self._expire_slo()
                     self._apply_aborts()
                     self._expire_deadlines()
                     if not sched.has_work():
@@ -445,6 +449,7 @@ class Engine:
                 self._observe(out, result, now - max(t_launch, self._last_result_t))
                 self._last_result_t = now
                 if inflight:
+                    self._expire_slo()
                     self._apply_aborts()
                     self._expire_deadlines()
                     self._launch_ahead(inflight)
@@ -586,6 +591,9 @@ class Engine:
         reason = (delta.finish or Finish.CANCELLED).name
         m.requests.labels(finish_reason=reason, status=status).inc()
         m.tenant_requests.labels(tenant=req.tenant, status=status).inc()
+        outcome = self._slo_outcome(req, status, now)
+        if outcome is not None:
+            self.count_slo(req, outcome)
         if handle.span is not None:
             RequestTracer.finish(handle.span, req, status, reason)
         m.e2e_latency.observe(now - req.arrival_time)
@@ -595,6 +603,7 @@ class Engine:
             "request finished",
             request_id=req.request_id,
             tenant=req.tenant,
+            slo_class=req.slo_class or None,
             finish_reason=reason,
             status=status,
             prompt_tokens=len(req.prompt_token_ids),
@@ -605,6 +614,36 @@ class Engine:
             ttft_s=round(req.first_token_time - req.arrival_time, 4) if req.first_token_time else None,
             e2e_s=round(now - req.arrival_time, 4),
         )
+
+    def count_slo(self, req: Request, outcome: str) -> None:
+        if not req.slo_class:
+            return
+        self.metrics.slo_requests.labels(**{"class": req.slo_class, "outcome": outcome}).inc()
+        if outcome == "met":
+            self._slo_met.append(time.monotonic())
+
+    def _slo_outcome(self, req: Request, status: str, now: float) -> str | None:
+        """met / missed for a request of a class that ended OK; None for one
+        that ended otherwise (cancelled, failed: no service to judge)."""
+        if not req.slo_class or status != "OK" or req.first_token_time is None:
+            return None
+        ttft_ok = req.ttft_deadline is None or req.first_token_time <= req.ttft_deadline
+        n = len(req.output_token_ids)
+        tpot = ((req.last_token_time or now) - req.first_token_time) / (n - 1) if n > 1 else 0.0
+        tpot_ok = req.tpot_s is None or tpot <= req.tpot_s
+        return "met" if ttft_ok and tpot_ok else "missed"
+
+    def _expire_slo(self) -> None:
+        """scheduler.slo.on_miss: reject: waiting requests that can no longer
+        meet their TTFT end now with RESOURCE_EXHAUSTED."""
+        sched = self.scheduler
+        if sched is None or not rejects_misses(sched):
+            return
+        now = time.monotonic()
+        for req in [r for r in sched.waiting if sched.policy.cannot_meet(r, now)]:
+            if req.abort_status is None:
+                self.count_slo(req, "rejected")
+                self.abort(req, (grpc.StatusCode.RESOURCE_EXHAUSTED, miss_message(req)))
 
     def _trace_plan(self, out: SchedulerOutput) -> None:
         for item in out.seqs:
@@ -665,6 +704,10 @@ class Engine:
         for name, queue in (("waiting", sched.waiting), ("running", sched.running), ("swapped", sched.swapped)):
             m.queue_requests.labels(policy=policy, queue=name).set(len(queue))
         self._update_tenant_counters(sched.policy)
+        horizon = time.monotonic() - SLO_GOODPUT_WINDOW_S
+        while self._slo_met and self._slo_met[0] < horizon:
+            self._slo_met.popleft()
+        m.slo_goodput.set(len(self._slo_met) / SLO_GOODPUT_WINDOW_S)
         b = sched.blocks
         for counter, total in (
             (m.num_preemptions, sched.num_preemptions),

@@ -37,7 +37,7 @@ from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle, merged
 from router.models import Models
 from router.request import Finish
-from router.tenants import request_tenant
+from router.tenants import SLO_CLASS_HEADER, request_tenant
 from router.validation import ROLES, RequestError, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)
@@ -158,6 +158,7 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    slo_class: str | None = None  # scheduler.slo_classes (else the x-slo-class header)
     n: int = 1  # completions per prompt: siblings that share the prompt's KV blocks
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -582,6 +583,9 @@ class ModelApi:
     async def _admit_all(self, body: _Common, msgs: list[gpb.GenerateRequest], request: HttpRequest) -> list:
         """Every prompt's `n` completions admitted, or none (OpenAI's choice
         order: prompt by prompt)."""
+        slo_class = body.slo_class or request.headers.get(SLO_CLASS_HEADER) or ""
+        for msg in msgs:
+            msg.slo_class = slo_class
         try:
             pairs = [p for msg in msgs for p in siblings(msg, body.n, self.cfg.limits.max_n)]
         except RequestError as exc:

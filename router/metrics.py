@@ -99,6 +99,19 @@ class Metrics:
             ["model", "tenant"],
             registry=r,
         )
+        self.slo_requests = Counter(
+            "cbserve_slo_requests",
+            "Requests of an SLO class by outcome: met (TTFT and TPOT within the class's targets), missed, "
+            "rejected (scheduler.slo.on_miss: reject)",
+            ["model", "class", "outcome"],
+            registry=r,
+        )
+        self.slo_goodput = Gauge(
+            "cbserve_slo_goodput_requests_per_second",
+            "Requests that met their SLO class per second, over the last 60 s",
+            labelnames=_MODEL,
+            registry=r,
+        )
         self.request_errors = Counter(
             "cbserve_request_errors",
             "Requests refused before admission, by gRPC status",

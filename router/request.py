@@ -66,6 +66,12 @@ class Request:
     matcher: object = None  # llguidance matcher of a structured-output request (router/structured.py)
     tenant: str = "default"  # who sent it (server.auth_tokens_file)
     group: str | None = None  # siblings of one prompt (OpenAI n > 1): they share its blocks
+    # Its SLO class (scheduler.slo_classes), its first token's deadline
+    # (monotonic seconds) and its time-per-output-token target; "" / None
+    # without a class.
+    slo_class: str = ""
+    ttft_deadline: float | None = None
+    tpot_s: float | None = None
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
 
     status: Status = Status.WAITING

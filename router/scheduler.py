@@ -46,6 +46,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
+    scheduled_at: float = 0.0  # the clock when it was planned (step timing)
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +84,7 @@ class Scheduler:
         self._to_free: list[int] = []  # executor state to drop with the next plan
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions that swapped out (not recomputed)
+        self._last_update: float | None = None
         self.policy.attach(self)
 
     # -- intake -------------------------------------------------------------
@@ -191,11 +193,12 @@ class Scheduler:
     # -- one iteration ----------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         now = time.monotonic() if now is None else now
-        out = SchedulerOutput(free_seq_ids=self._to_free)
+        out = SchedulerOutput(free_seq_ids=self._to_free, scheduled_at=now)
         self._to_free = []
         self.policy.begin_iteration()
         self._priority_preemption(now, out)
-        budget = self.cfg.max_num_batched_tokens
+        budget = max(len(self.running) + 1, self.policy.token_budget(len(self.running)))
+        budget = min(budget, self.cfg.max_num_batched_tokens)
         scheduled: set[int] = set()
         memory_preempted = False
 
@@ -358,7 +361,7 @@ class Scheduler:
             if new is None:
                 return None
             req.pending_block_ids.extend(new)
-        out = SchedulerOutput(free_seq_ids=self._to_free)
+        out = SchedulerOutput(free_seq_ids=self._to_free, scheduled_at=time.monotonic())
         self._to_free = []
         out.seqs = [self._item(req, 1) for req in ahead]
         return out if not out.is_empty() else None
@@ -376,6 +379,11 @@ class Scheduler:
         """Applies a step's result; returns the requests that got a token.
         Token-level stops (EOS, max_new_tokens, context) finish requests here."""
         now = time.monotonic() if now is None else now
+        # The step's share of the clock: from its plan, or from the previous
+        # result when it was planned ahead.
+        began = out.scheduled_at if self._last_update is None else max(out.scheduled_at, self._last_update)
+        self.policy.on_step(out.num_tokens, now - began)
+        self._last_update = now
         for item in out.seqs:
             req = item.req
             if req.status == Status.FINISHED:

@@ -19,7 +19,7 @@ from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
 from router.engine import Delta, Engine, RequestHandle, merged
 from router.models import Models
-from router.tenants import metadata_value, request_tenant
+from router.tenants import SLO_CLASS_HEADER, metadata_value, request_tenant
 from router.validation import RequestError, prompt_ids
 
 _LOGGER = structlog.get_logger(__name__)
@@ -48,6 +48,8 @@ class GenerationService(gpb_grpc.GenerationServicer):
         """The request's id and its `n` completions (one unless it asks for
         more), all admitted or none."""
         engine = await self._engine(request.model, context)
+        if not request.slo_class:
+            request.slo_class = metadata_value(context.invocation_metadata(), SLO_CLASS_HEADER) or ""
         try:
             pairs = siblings(request, request.n or 1, self.cfg.limits.max_n)
         except RequestError as exc:

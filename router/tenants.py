@@ -25,6 +25,9 @@ import re
 from router.auth import DEFAULT_TENANT, Authenticator
 
 MAX_TENANT_CHARS = 64
+# The header (HTTP) / metadata key (gRPC) that names a request's SLO class
+# when its body / message leaves `slo_class` empty.
+SLO_CLASS_HEADER = "x-slo-class"
 OVERFLOW_TENANT = "~overflow"
 _PLAIN = re.compile(rf"[A-Za-z0-9._:@/+=-]{{1,{MAX_TENANT_CHARS}}}")
 

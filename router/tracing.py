@@ -27,6 +27,8 @@ class RequestTracer:
                 "cbserve.prompt_tokens": len(req.prompt_token_ids),
                 "cbserve.max_new_tokens": req.stopping.max_new_tokens,
                 "cbserve.priority": req.priority,
+                "cbserve.tenant": req.tenant,
+                "cbserve.slo_class": req.slo_class,
             },
         )
         span.add_event("queued")

@@ -10,9 +10,12 @@ from router.policies.fair import FairPolicy
 from router.policies.fcfs import FCFSPolicy
 from router.policies.priority import PriorityPolicy
 from router.policies.sjf import SJFPolicy
+from router.policies.slo import SloPolicy
 from router.policies.static import DynamicPolicy, StaticPolicy
 
-BUILTIN = {p.name: p for p in (FCFSPolicy, SJFPolicy, PriorityPolicy, StaticPolicy, DynamicPolicy, FairPolicy)}
+BUILTIN = {
+    p.name: p for p in (FCFSPolicy, SJFPolicy, PriorityPolicy, StaticPolicy, DynamicPolicy, FairPolicy, SloPolicy)
+}
 
 
 def make_policy(cfg: SchedulerConfig) -> Policy:

@@ -54,6 +54,14 @@ class Policy:
         """Called after each step with the prompt tokens it computed for
         `req` (recomputation included) and the tokens it generated."""
 
+    def on_step(self, tokens: int, seconds: float) -> None:
+        """Called after each step: the tokens it computed and its share of
+        the wall clock (from its plan, or from the previous result)."""
+
+    def token_budget(self, num_running: int) -> int:
+        """The token budget of the next iteration (at least num_running + 1)."""
+        return self.cfg.max_num_batched_tokens
+
     def on_admitted(self, req: Request) -> None:
         """Called for every waiting request that starts running."""
 

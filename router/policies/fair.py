@@ -9,8 +9,10 @@ not named). The rules:
 
 - Order: requests' `priority` stays strict (bands); within a band, the
   oldest waiting request of the backlogged tenant with the smallest counter
-  goes first (ties: the tenant with fewer running requests, then age). The
-  token budget goes first to the least-served tenants' running requests.
+  goes first (ties: the tenant with fewer running requests, then age);
+  within a tenant, requests of an SLO class by TTFT deadline first (fair
+  across tenants, deadlines within one). The token budget goes first to the
+  least-served tenants' running requests.
 - Lift: a tenant that becomes backlogged (had no request waiting, swapped or
   running) has its counter raised to at least the smallest counter among
   the backlogged tenants, or to the virtual time when none is: idle time
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from router.policies.base import Policy
+from router.policies.slo import deadline
 from router.request import Request, Status
 
 if TYPE_CHECKING:
@@ -172,7 +175,8 @@ class FairPolicy(Policy):
 
     def waiting_key(self, req: Request, now: float):
         seats = self._seat_cache.get(req.tenant, 0)
-        return (-req.priority, self.counter(req.tenant), seats, req.arrival_time, req.seq_id)
+        # Within a tenant (same counter and seats), SLO deadlines first.
+        return (-req.priority, self.counter(req.tenant), seats, deadline(req), req.arrival_time, req.seq_id)
 
     def running_key(self, req: Request):
         # Smallest first gets the budget; the largest is the victim: lowest

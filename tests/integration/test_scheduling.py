@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 import yaml
 
@@ -480,4 +481,47 @@ def test_tenant_from_the_http_header_then_the_user_field(big):
     assert served("web-team") == 3 and served("alice@example.com") == 3 and served("default") == 3
     assert served("ignored-when-the-header-is-there") == 0
     assert len(hashed) == 1 and served(hashed[0].split("tenant=")[1].rstrip("}")) == 3
+    wait_idle(big)
+
+
+# -- SLO classes -------------------------------------------------------------------------------
+def test_slo_classes_by_field_and_header_counted_and_unknown_ones_refused(big):
+    import httpx
+
+    classes = {"interactive": {"ttft_ms": 60_000, "tpot_ms": 60_000}, "tight": {"ttft_ms": 0.001, "tpot_ms": 1}}
+    reconfigure(big, {"policy": "slo", "slo_classes": classes, "default_slo_class": "interactive"})
+    before = big.metrics()
+    with big.channel() as ch:
+        r = stub(ch).Complete(gen_request([5, 6, 7], max_new=4, slo_class="interactive"))
+        assert r.finish_reason == gpb.LENGTH
+        stub(ch).Complete(gen_request([5, 6, 8], max_new=4))  # the default class
+        with pytest.raises(grpc.RpcError) as err:
+            stub(ch).Complete(gen_request([5, 6, 9], max_new=4), metadata=[("x-slo-class", "gold")])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'gold'" in err.value.details()
+    base = f"http://127.0.0.1:{big.http_port}/v1"
+    model = httpx.get(f"{base}/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+    r = httpx.post(f"{base}/completions", json={**body, "slo_class": "platinum"}, timeout=60)
+    assert r.status_code == 400 and "platinum" in r.json()["error"]["message"]
+    assert httpx.post(f"{base}/completions", json=body, headers={"x-slo-class": "interactive"}, timeout=60).is_success
+    m = big.metrics()
+    met = "cbserve_slo_requests_total{class=interactive,outcome=met}"
+    assert m[met] - before.get(met, 0) == 3
+    # `tight` cannot be met (1 us to the first token): deprioritized it is
+    # still served, counted missed; with on_miss reject it is refused (429).
+    with big.channel() as ch:
+        assert stub(ch).Complete(gen_request([5, 6, 7], max_new=2, slo_class="tight")).finish_reason == gpb.LENGTH
+    missed = "cbserve_slo_requests_total{class=tight,outcome=missed}"
+    assert big.metrics()[missed] - before.get(missed, 0) == 1
+    reconfigure(big, {"policy": "slo", "slo_classes": classes, "slo": {"on_miss": "reject"}})
+    with big.channel() as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            stub(ch).Complete(gen_request([5, 6, 7], max_new=2, slo_class="tight"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tight" in err.value.details()
+    r = httpx.post(f"{base}/completions", json={**body, "slo_class": "tight"}, timeout=60)
+    assert r.status_code == 429
+    m = big.metrics()
+    rejected = "cbserve_slo_requests_total{class=tight,outcome=rejected}"
+    assert m[rejected] - before.get(rejected, 0) == 2
+    assert "cbserve_slo_goodput_requests_per_second" in m
     wait_idle(big)

@@ -18,7 +18,7 @@ from tests.router.router_factories import (
     token_for,
 )
 
-POLICIES = ["fcfs", "sjf", "priority", "static", "dynamic", "fair"]
+POLICIES = ["fcfs", "sjf", "priority", "static", "dynamic", "fair", "slo"]
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
