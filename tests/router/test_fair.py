@@ -378,3 +378,26 @@ def test_serve_refuses_a_bad_fair_setting_and_exits_2(tmp_path):
     cfg.write_text(yaml.safe_dump({"scheduler": {"policy": "fair", "fair": {"weights": {"batch": 0}}}}))
     out = run_serve("--config", str(cfg))
     assert out.returncode == 2 and "scheduler.fair.weights.batch: expected a positive number, got 0" in out.stderr
+
+
+def test_fair_orders_a_tenants_own_requests_by_slo_deadline():
+    """fair and slo compose: fair across tenants, deadlines within one."""
+    sched = fair_scheduler(preempt=False, max_num_seqs=1, max_num_batched_tokens=64)
+    ex = FakeExecutor()
+    batch = request("a", 8, 2, 0.0)
+    batch.slo_class, batch.ttft_deadline, batch.tpot_s = "batch", 20.0, 0.4
+    interactive = request("a", 8, 2, 0.5)
+    interactive.slo_class, interactive.ttft_deadline, interactive.tpot_s = "interactive", 1.5, 0.1
+    other = request("b", 8, 2, 0.2)  # another tenant, no class
+    for r in (batch, other, interactive):
+        sched.add(r)
+    order = []
+    now = 1.0
+    while sched.has_work():
+        out = step(sched, ex, now=now)
+        order += [s.req for s in out.seqs if s.is_new]
+        now += 0.01
+    # a's interactive request overtakes a's older batch one; b keeps its turn
+    # between a's two (a was served first, so b's counter is lower then).
+    assert order == [interactive, other, batch]
+    assert_scheduler_empty(sched)
