@@ -377,7 +377,7 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     _positive(s.dynamic_max_wait_ms, "scheduler.dynamic_max_wait_ms", True)
     _validate_fair(s.fair)
     _validate_slo(s)
-    if not s.tenant_header or not all(c.isalnum() or c in "-_." for c in s.tenant_header):
+    if not _plain_name(s.tenant_header):
         raise ConfigError(f"scheduler.tenant_header: {s.tenant_header!r} is not a header name (letters, digits, - _ .)")
     validate_cache(cfg.cache)
     lim = cfg.limits
@@ -455,6 +455,16 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     return cfg
 
 
+def _positive_number(value: Any) -> bool:
+    """A finite number > 0 (not a bool) from YAML."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
+
+
+def _plain_name(name: Any) -> bool:
+    """A non-empty name of letters, digits, - _ and . (header, class)."""
+    return isinstance(name, str) and bool(name) and all(c.isalnum() or c in "-_." for c in name)
+
+
 def _validate_fair(f: FairConfig) -> None:
     _positive(f.prompt_weight, "scheduler.fair.prompt_weight", True)
     _positive(f.output_weight, "scheduler.fair.output_weight", True)
@@ -465,7 +475,7 @@ def _validate_fair(f: FairConfig) -> None:
     for tenant, w in f.weights.items():
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(f"scheduler.fair.weights: {tenant!r} is not a tenant name")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w == float("inf"):
+        if not _positive_number(w):
             raise ConfigError(f"scheduler.fair.weights.{tenant}: expected a positive number, got {w!r}")
 
 
@@ -477,14 +487,14 @@ def _validate_slo(s: SchedulerConfig) -> None:
         raise ConfigError(f"scheduler.slo_classes: expected a mapping of class to targets, got {s.slo_classes!r}")
     for name, targets in s.slo_classes.items():
         where = f"scheduler.slo_classes.{name}"
-        if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_." for c in name):
+        if not _plain_name(name):
             raise ConfigError(f"scheduler.slo_classes: {name!r} is not a class name (letters, digits, - _ .)")
         if not isinstance(targets, dict):
             raise ConfigError(f"{where}: expected a mapping with ttft_ms and tpot_ms, got {targets!r}")
         for key, value in targets.items():
             if key not in SLO_CLASS_KEYS:
                 raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(SLO_CLASS_KEYS)})")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            if not _positive_number(value):
                 raise ConfigError(f"{where}.{key}: expected a positive number of milliseconds, got {value!r}")
         missing = [k for k in SLO_CLASS_KEYS if k not in targets]
         if missing:

@@ -76,8 +76,9 @@ def _store_prompt_logprobs(req: Request | None, plp) -> None:
 # An idle engine checks that its executor still answers, as the same
 # instance, this often (and whenever the connection to it closes).
 IDLE_CHECK_S = 5.0
-SLO_GOODPUT_WINDOW_S = 60.0
 IDLE_CHECK_TIMEOUT_S = 10.0
+# The window of the SLO goodput gauge.
+SLO_GOODPUT_WINDOW_S = 60.0
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -204,10 +205,10 @@ class Engine:
         self._ready_callbacks: list[Callable[[bool], None]] = []
         self._seen: dict[int, int] = {}  # counter id -> scheduler total already exported
         self._gauge_policy = ""
+        self._slo_met: deque[float] = deque()  # when requests met their SLO (the goodput gauge's window)
         # Tenants with requests in this engine (at most limits.max_tenants,
         # plus ~overflow), and the tenants that have metric series, least
         # recently used first: both bounded, whatever ids clients send.
-        self._slo_met: deque[float] = deque()  # when requests met their SLO (the goodput gauge's window)
         self.tenants_live: dict[str, int] = {}
         self._tenant_series: OrderedDict[str, None] = OrderedDict()
 

@@ -28,7 +28,7 @@ not named). The rules:
   ping-pong: the move back would need the opposite inequality.
 - Memory: a tenant's state is dropped once it is idle and its counter is no
   more than the virtual time (its lift would give it back), and the idle
-  ones kept beyond `limits.max_tenants` go oldest first.
+  ones kept beyond MAX_IDLE_TENANTS go oldest first.
 
 The counters live in the policy; a SIGHUP reload that keeps `fair` carries
 them over (`adopt`).
@@ -56,9 +56,6 @@ class TenantState:
     counter: float = 0.0
     # Requests of this tenant waiting, swapped or running (0 = idle).
     active: int = 0
-    # Weighted service delivered, by kind (for metrics and tests).
-    prompt_tokens: int = 0
-    output_tokens: int = 0
 
 
 class FairPolicy(Policy):
@@ -167,8 +164,6 @@ class FairPolicy(Policy):
             return
         f = self.cfg.fair
         t.counter += (f.prompt_weight * prompt_tokens + f.output_weight * output_tokens) / self.weight(req.tenant)
-        t.prompt_tokens += prompt_tokens
-        t.output_tokens += output_tokens
 
     def begin_iteration(self) -> None:
         self._seat_cache = self._seats()

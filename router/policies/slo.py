@@ -145,9 +145,10 @@ class SloPolicy(Policy):
         if tpot == INF:
             return INF
         # Seats such that a decode step of the whole batch fits in the TPOT.
-        seats = math.floor(self.steps.tokens_within(tpot)) if self.steps.tokens_within(tpot) != INF else None
-        if seats is None:
+        fits = self.steps.tokens_within(tpot)
+        if fits == INF:
             return INF
+        seats = math.floor(fits)
         return max(0, seats - num_running) if num_running else max(1, seats)
 
     def token_budget(self, num_running: int) -> int:
