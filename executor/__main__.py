@@ -1,6 +1,10 @@
 import sys
 
-from executor.affinity import bind_omp_threads
+from executor import lifeline
+
+lifeline.hold()  # first: a router killed while this process starts is noticed too
+
+from executor.affinity import bind_omp_threads  # noqa: E402
 
 bind_omp_threads(sys.argv[1:])  # before torch loads OpenMP (executor/affinity.py)
 

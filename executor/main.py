@@ -15,7 +15,7 @@ import torch
 
 from common.config import ConfigError, load_cache_config
 from common.logging_setup import configure_logging
-from executor import model_loader, model_source
+from executor import lifeline, model_loader, model_source
 from executor.kv_cache import CacheShape, KVCacheTooLarge, available_bytes, cache_dtype
 from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("info", "auto", process="executor")
     # Nothing to reload: a hang-up must not kill the model (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    if os.environ.get("CBSERVE_READY_FD"):  # started by `cbserve serve`: never outlive it
-        _die_with_parent()
+    lifeline.hold()  # started by `cbserve serve`: never outlive it (a no-op if __main__ did)
     try:
         cache = load_cache_config(args.config)
     except ConfigError as exc:
@@ -166,19 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _die_with_parent() -> None:
-    """SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG): a killed
-    `cbserve serve` leaves no executor holding the model and the port."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux / glibc
-        return
-    if os.getppid() != parent:  # it died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _signal_ready() -> None:

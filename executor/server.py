@@ -395,9 +395,14 @@ def wait_forever(
         ).start()
 
     def _on_signal(signum, frame):
-        _LOGGER.info("executor stopping", signal=signum)
+        # The stop first: the log line can fail or block (a pipe whose
+        # reader died with the router), and must not keep the process alive.
         stop.set()
         worker.wake()
+        try:
+            _LOGGER.info("executor stopping", signal=signum)
+        except OSError:
+            pass
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

@@ -49,7 +49,8 @@ class ExecutorProcess:
                 *self.argv,
                 start_new_session=True,
                 pass_fds=(write_fd,),
-                env={**os.environ, "CBSERVE_READY_FD": str(write_fd)},
+                # executor/lifeline.py: it exits when this process dies.
+                env={**os.environ, "CBSERVE_READY_FD": str(write_fd), "CBSERVE_PARENT_PID": str(os.getpid())},
             )
         finally:
             os.close(write_fd)

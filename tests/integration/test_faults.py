@@ -4,12 +4,14 @@ and a graceful drain on SIGTERM."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import psutil
@@ -371,12 +373,80 @@ def test_sighup_without_config_is_ignored_by_both_processes():
             proc.kill()
 
 
-def test_the_executor_dies_with_a_killed_serve():
-    proc, _ = _serve_without_config()
-    exe = _executor_of(proc)
-    proc.kill()  # SIGKILL: serve cannot stop its child itself
-    proc.communicate(timeout=30)
-    end = time.monotonic() + 20
-    while _alive(exe) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert not _alive(exe)
+def _load(port: int, state: str, stop: threading.Event) -> list[threading.Thread]:
+    """Requests that keep the executor in `state` until the router dies:
+    long prompts for one token each (prefill steps), or long streams
+    (pipelined decode: a plan always waits for the one before it)."""
+
+    def prefill(i):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            while not stop.is_set():
+                try:
+                    stub(ch).Complete(gen_request([5 + (i + j) % 90 for j in range(900)], max_new=1), timeout=10)
+                except grpc.RpcError:
+                    return
+
+    def decode(i):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            try:
+                for _ in stub(ch).Generate(gen_request([5, 6, 7 + i], max_new=1500), timeout=30):
+                    if stop.is_set():
+                        return
+            except grpc.RpcError:
+                return
+
+    threads = [threading.Thread(target=prefill if state == "prefill" else decode, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _kill_serve_while(state: str, delay: float, config: str) -> tuple[str, float]:
+    """Starts `cbserve serve`, brings its executor to `state`, SIGKILLs the
+    serve `delay` seconds later; returns how long its executor outlived it."""
+    port = free_port()
+    proc = popen_serve("--device", "cpu", "--config", config, port=str(port), start_new_session=True)
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        end = time.monotonic() + 60
+        exe = None
+        while exe is None and time.monotonic() < end and proc.poll() is None:
+            kids = psutil.Process(proc.pid).children()
+            exe = next((k.pid for k in kids if "executor" in " ".join(k.cmdline())), None)
+            time.sleep(0.01)
+        assert exe is not None, "no executor started"
+        if state != "starting":
+            wait_serving(f"127.0.0.1:{port}", 60, proc)
+            if state != "idle":
+                threads = _load(port, state, stop)
+                time.sleep(0.3)
+        time.sleep(delay)
+        t0 = time.monotonic()
+        proc.kill()
+        while _alive(exe) and time.monotonic() - t0 < 30:
+            time.sleep(0.02)
+        return state, round(time.monotonic() - t0, 2)
+    finally:
+        stop.set()
+        proc.kill()
+        proc.communicate(timeout=60)  # the log pipe is read only now, as when its reader died with serve
+        for t in threads:
+            t.join(timeout=30)
+
+
+def test_the_executor_exits_within_5_s_of_a_serve_killed_at_random_moments(tmp_path):
+    """`cbserve serve` SIGKILLed 20 times at random moments, five in each
+    state: the executor starting (importing, loading the model, connecting),
+    idle, in prefill and in decode. Each time its executor must be gone within
+    5 s (executor/lifeline.py). Two servers at a time, small KV pools (a
+    quicker start)."""
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump({"cache": {"num_blocks": 256, "block_size": 16}}))
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    rounds = [(s, rng.uniform(0.0, 2.5 if s == "starting" else 0.7)) for s in ("starting", "idle", "prefill", "decode")]
+    with futures.ThreadPoolExecutor(2) as pool:
+        exits = list(pool.map(lambda r: _kill_serve_while(*r, str(config)), rounds * 5))
+    slow = [e for e in exits if e[1] > 5.0]
+    assert not slow, f"executors outlived their serve by more than 5 s: {slow} of {exits} (seed {seed})"
