@@ -809,7 +809,17 @@ class ModelApi:
         for text in texts:
             text_offset.append(offset)
             offset += len(text)
-        top = [dict(zip((self._token_text(a) for a in ids), lps)) for ids, lps in d.top] if d.top else None
+        # The completions API's rule (OpenAI's and vLLM's): each position's
+        # entry holds the k best alternatives and always the sampled token,
+        # so up to k + 1 items. The chat API keeps exactly k (above). Keys
+        # are texts: where two tokens decode alike, the sampled one's value
+        # is kept, so entry[token] is always its token_logprobs value.
+        top = []
+        for i, (text, lp) in enumerate(zip(texts, d.logprobs)):
+            ids, lps = d.top[i] if i < len(d.top) else ([], [])
+            entry = {self._token_text(a): b for a, b in zip(ids, lps)}
+            entry[text] = lp
+            top.append(entry)
         return {"tokens": texts, "token_logprobs": d.logprobs, "top_logprobs": top, "text_offset": text_offset}, offset
 
     def _prompt_logprobs_object(self, d: Delta, prompt: list[int]) -> list:

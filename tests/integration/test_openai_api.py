@@ -367,6 +367,45 @@ def test_top_logprobs_are_the_raw_models_best_tokens_through_both_apis(api):
     _error(bad, 400, "top_logprobs")
 
 
+def test_completions_top_logprobs_always_hold_the_sampled_token(api):
+    """The completions API (OpenAI's and vLLM's rule): each position's
+    top_logprobs holds the k best alternatives and the sampled token, so up to
+    k + 1 items, under sampling and in streaming; the chat API keeps k."""
+    server, client, model = api
+    k = 3
+    # A random tiny model's distribution is nearly flat: at temperature 1 the
+    # sampled token is almost never among the 3 best.
+    args = dict(model=model, prompt=[5, 6, 7, 8], max_tokens=8, temperature=1.0, logprobs=k)
+    c = client.completions.create(seed=11, extra_body={"ignore_eos": True}, **args)
+    streamed = client.completions.create(seed=11, stream=True, extra_body={"ignore_eos": True}, **args)
+    chunks = [ch.choices[0].logprobs for ch in streamed if ch.choices and ch.choices[0].logprobs]
+    for lp in (c.choices[0].logprobs, *chunks):
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) >= 1
+        for text, sampled, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert len(top) <= k + 1  # fewer where tokens decode alike (byte tokens: "\ufffd")
+            assert top[text] == pytest.approx(sampled, abs=1e-6)
+    positions = [top for lp in chunks for top in lp.top_logprobs]
+    assert [t for lp in chunks for t in lp.tokens] == c.choices[0].logprobs.tokens  # the same seeded draw
+    assert len(positions) == 8 and any(len(top) == k + 1 for top in positions)  # sampled outside the k best
+    # logprobs: 0 -> the sampled token alone.
+    zero = client.completions.create(**{**args, "logprobs": 0}, seed=11, extra_body={"ignore_eos": True})
+    lp0 = zero.choices[0].logprobs
+    assert [list(top) for top in lp0.top_logprobs] == [[t] for t in lp0.tokens]
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        logprobs=True,
+        top_logprobs=k,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(t.top_logprobs) == k for t in content)
+    assert any(t.token not in {a.token for a in t.top_logprobs} for t in content)
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
