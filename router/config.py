@@ -172,6 +172,11 @@ class FairConfig:
     # An under-served tenant's waiting request may take the seat (or the KV
     # blocks) of the newest running request of the most over-served tenant.
     preempt: bool = True
+    # While requests decode, a step's tokens are capped so that its predicted
+    # time is at most this many times a decode-only step of the same batch
+    # (prefill goes in smaller chunks): a tenant that becomes backlogged waits
+    # for at most one step, and this keeps that step short. 0 = no cap.
+    max_step_ratio: float = 1.5
 
 
 @dataclass
@@ -468,6 +473,9 @@ def _plain_name(name: Any) -> bool:
 def _validate_fair(f: FairConfig) -> None:
     _positive(f.prompt_weight, "scheduler.fair.prompt_weight", True)
     _positive(f.output_weight, "scheduler.fair.output_weight", True)
+    r = f.max_step_ratio
+    if not (r == 0 or (_positive_number(r) and r >= 1)) or isinstance(r, bool):
+        raise ConfigError(f"scheduler.fair.max_step_ratio: expected 0 (off) or a number >= 1, got {f.max_step_ratio!r}")
     if f.prompt_weight == 0 and f.output_weight == 0:
         raise ConfigError("scheduler.fair: prompt_weight and output_weight cannot both be 0 (nothing would be charged)")
     if not isinstance(f.weights, dict):

@@ -210,8 +210,9 @@ class Scheduler:
             avail = budget
             if req.is_prefill:
                 # Decodes first: a prefill chunk leaves one token for every
-                # running decode still to be served in this loop.
-                avail -= sum(
+                # running decode still to be served in this loop, and what
+                # the policy reserves for a waiting request.
+                avail -= self.policy.prefill_reserve(req) + sum(
                     1
                     for r in self.running
                     if r is not req and r.seq_id not in scheduled and r.status == Status.RUNNING and not r.is_prefill

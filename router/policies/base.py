@@ -62,6 +62,11 @@ class Policy:
         """The token budget of the next iteration (at least num_running + 1)."""
         return self.cfg.max_num_batched_tokens
 
+    def prefill_reserve(self, req: Request) -> int:
+        """Tokens a running request's prefill chunk leaves in this step's
+        budget for waiting requests (admitted after the running ones)."""
+        return 0
+
     def on_admitted(self, req: Request) -> None:
         """Called for every waiting request that starts running."""
 

@@ -26,6 +26,17 @@ not named). The rules:
   move, Y still holds at least X's weighted share of the running seats:
   (seats(Y) - 1) / w(Y) >= (seats(X) + 1) / w(X). That hysteresis rules out
   ping-pong: the move back would need the opposite inequality.
+- Short steps (`fair.max_step_ratio`, default 1.5): a tenant that becomes
+  backlogged is admitted at the next step, so it waits for the step in
+  flight; a step that computes a long prefill beside the decodes can last
+  several decode steps. While requests decode, the token budget is cut so a
+  step's predicted time (a + b * tokens, fitted to the observed steps) stays
+  within the ratio times a decode-only step of the running batch: prefill
+  goes in chunks that ride along with the decodes, at the cost of more steps
+  to a long prompt's first token. A tenant holding fewer weighted seats than
+  another has its prompt computed whole (the budget grows to fit it, and
+  other tenants' chunks leave it room): its first token is what the short
+  steps are for.
 - Memory: a tenant's state is dropped once it is idle and its counter is no
   more than the virtual time (its lift would give it back), and the idle
   ones kept beyond MAX_IDLE_TENANTS go oldest first.
@@ -36,12 +47,14 @@ them over (`adopt`).
 
 from __future__ import annotations
 
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from router.policies.base import Policy
-from router.policies.slo import deadline
+from router.policies.slo import StepModel, deadline
 from router.request import Request, Status
 
 if TYPE_CHECKING:
@@ -70,6 +83,8 @@ class FairPolicy(Policy):
         self._idle: OrderedDict[str, None] = OrderedDict()
         self._sched: Scheduler | None = None
         self._seat_cache: dict[str, int] = {}
+        self.steps = StepModel()
+        self._protected: tuple[str, int, bool] = ("", 0, False)
 
     # -- state ------------------------------------------------------------------
     def weight(self, tenant: str) -> float:
@@ -151,6 +166,7 @@ class FairPolicy(Policy):
             self.tenants = old.tenants
             self.vtime = old.vtime
             self._idle = old._idle
+            self.steps = old.steps
 
     def on_arrival(self, req: Request) -> None:
         self._activate(req.tenant)
@@ -165,8 +181,62 @@ class FairPolicy(Policy):
         f = self.cfg.fair
         t.counter += (f.prompt_weight * prompt_tokens + f.output_weight * output_tokens) / self.weight(req.tenant)
 
+    def on_step(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.steps.observe(tokens, seconds)
+
+    def token_budget(self, num_running: int) -> int:
+        budget = self.cfg.max_num_batched_tokens
+        ratio = self.cfg.fair.max_step_ratio
+        if not ratio or num_running == 0:
+            return budget
+        decode = self.steps.predict(num_running)
+        if decode is None:  # too few steps observed yet
+            return budget
+        fits = self.steps.tokens_within(ratio * decode)
+        if fits == math.inf:
+            return budget
+        # A tenant with few seats gets its prompt whole: its first token is
+        # what the short steps are for.
+        cap = max(num_running + 1, math.floor(fits), num_running + self._protected[1])
+        return int(min(budget, cap))
+
+    def prefill_reserve(self, req: Request) -> int:
+        # Other tenants' prefill chunks leave room for the protected waiting
+        # prompt (admitted after the running requests), while a seat is free
+        # for it: budget left for nobody would break work conservation.
+        tenant, tokens, waiting = self._protected
+        if not waiting or req.tenant == tenant or self._sched is None:
+            return 0
+        return tokens if len(self._sched.running) < self.cfg.max_num_seqs else 0
+
+    def _protected_prompt(self) -> tuple[str, int, bool]:
+        """(tenant, prompt tokens left, waiting) of the prompt the short
+        steps protect: a running prefill, else the waiting request admission
+        takes first, of a tenant that holds fewer weighted seats than
+        another active tenant; ("", 0, False) when there is none."""
+        sched = self._sched
+        if sched is None or not self.cfg.fair.max_step_ratio:
+            return "", 0, False
+        share = {n: self._seat_cache.get(n, 0) / self.weight(n) for n, t in self.tenants.items() if t.active}
+        if len(share) < 2:
+            return "", 0, False
+        top = max(share.values())
+        for r in sched.running:
+            if r.is_prefill and share.get(r.tenant, top) < top:
+                return r.tenant, r.num_uncomputed, False
+        if not sched.waiting:
+            return "", 0, False
+        now = time.monotonic()
+        r = min(sched.waiting, key=lambda w: self.waiting_key(w, now))
+        if share.get(r.tenant, top) >= top:
+            return "", 0, False
+        # What the prefix cache holds is not computed again.
+        return r.tenant, r.num_tokens - len(sched.blocks.lookup_prefix(r)) * sched.blocks.block_size, True
+
     def begin_iteration(self) -> None:
         self._seat_cache = self._seats()
+        self._protected = self._protected_prompt()
 
     def waiting_key(self, req: Request, now: float):
         seats = self._seat_cache.get(req.tenant, 0)

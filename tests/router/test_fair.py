@@ -7,6 +7,7 @@ KV block leaked whatever way a request ends."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -30,11 +31,15 @@ SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[Healt
 _n = itertools.count()
 
 
-def fair_scheduler(preempt=True, weights=None, prompt_weight=1.0, output_weight=2.0, **kw):
+def fair_scheduler(preempt=True, weights=None, prompt_weight=1.0, output_weight=2.0, max_step_ratio=2.0, **kw):
     kw.setdefault("num_blocks", 4000)
     sched = create_scheduler("fair", **kw)
     sched.cfg.fair = FairConfig(
-        prompt_weight=prompt_weight, output_weight=output_weight, weights=dict(weights or {}), preempt=preempt
+        prompt_weight=prompt_weight,
+        output_weight=output_weight,
+        weights=dict(weights or {}),
+        preempt=preempt,
+        max_step_ratio=max_step_ratio,
     )
     sched.policy = make_policy(sched.cfg)
     sched.policy.attach(sched)
@@ -225,6 +230,50 @@ def test_with_preemption_a_light_request_runs_at_the_next_step():
     finish_all(sched, {"all": heavy})
 
 
+@pytest.mark.parametrize("ratio", [2.0, 0.0])
+def test_prefill_rides_in_short_steps_while_requests_decode(ratio):
+    """fair.max_step_ratio: beside running decodes a long prompt is computed
+    in chunks that keep each step's predicted time within the ratio times a
+    decode-only step (0: one chunk up to max_num_batched_tokens); the
+    least-served tenant's prompt is never cut."""
+    sched = fair_scheduler(max_num_seqs=10, max_num_batched_tokens=512, max_step_ratio=ratio)
+    heavy, ex = _flood(sched, heavy_n=8)
+    assert len(sched.running) == 8 and not any(r.is_prefill for r in sched.running)
+    for tokens in (8, 136, 8, 64, 8, 200, 8, 8) * 2:  # a host: 20 ms a step + 0.5 ms a token
+        sched.policy.on_step(tokens, 0.020 + 0.0005 * tokens)
+
+    def cap(running):  # the most tokens a step may take: 56 beside 8 decodes at ratio 2
+        return (ratio * (0.020 + 0.0005 * running) - 0.020) / 0.0005
+
+    long = request("heavy", 300, 4, 1.0)
+    sched.add(long)
+    chunks = []
+    for i in range(3):
+        out = step(sched, ex, now=1.0 + 0.01 * i)
+        chunks += [s.num_prompt_tokens for s in out.seqs if s.req is long]
+        assert len(out.seqs) == 9  # every decode still runs every step
+    # Light arrives while heavy's prompt is mid-way: its 40 tokens go in one
+    # step (beyond the cap if need be), heavy's chunk gets what is left.
+    light = request("light", 40, 4, 1.05)
+    sched.add(light)
+    light_step = step(sched, ex, now=1.05)
+    got = {s.req.tenant: s.num_prompt_tokens for s in light_step.seqs if s.num_prompt_tokens}
+    chunks.append(got.get("heavy", 0))
+    for i in range(20):
+        if not long.is_prefill:
+            break
+        out = step(sched, ex, now=1.1 + 0.01 * i)
+        chunks += [s.num_prompt_tokens for s in out.seqs if s.req is long]
+    if ratio:
+        assert chunks[:3] == [48, 50, 50]  # cap(8) - 8 decodes, then cap(9) - 8
+        assert got == {"light": 40, "heavy": math.floor(cap(9)) - 8 - 40}  # 58 - 8 decodes - light's 40
+        assert light_step.num_tokens == math.floor(cap(9))
+    else:
+        assert chunks[0] == 300 and got == {"light": 40}  # heavy's prompt was done
+    assert sum(chunks) == 300 and light.num_computed_tokens >= 40
+    finish_all(sched, {"all": heavy + [long, light]})
+
+
 def test_no_ping_pong_between_two_flooding_tenants():
     """Both flood: preemption evens the seats out and then stops."""
     sched = fair_scheduler(preempt=True, max_num_seqs=8, max_num_batched_tokens=256)
@@ -360,6 +409,8 @@ def test_tenant_state_is_bounded():
         ({"fair": {"prompt_weight": 0, "output_weight": 0}}, "cannot both be 0"),
         ({"fair": {"preempt": "yes"}}, "scheduler.fair.preempt: expected true or false"),
         ({"fair": {"quantum": 4}}, "scheduler.fair.quantum: unknown key"),
+        ({"fair": {"max_step_ratio": 0.5}}, "scheduler.fair.max_step_ratio: expected 0 (off) or a number >= 1"),
+        ({"fair": {"max_step_ratio": "2"}}, "scheduler.fair.max_step_ratio: expected a number"),
         ({"tenant_header": "x tenant"}, "scheduler.tenant_header: 'x tenant' is not a header name"),
     ],
 )
