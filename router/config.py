@@ -172,10 +172,11 @@ class FairConfig:
     # An under-served tenant's waiting request may take the seat (or the KV
     # blocks) of the newest running request of the most over-served tenant.
     preempt: bool = True
-    # While requests decode, a step's tokens are capped so that its predicted
-    # time is at most this many times a decode-only step of the same batch
-    # (prefill goes in smaller chunks): a tenant that becomes backlogged waits
-    # for at most one step, and this keeps that step short. 0 = no cap.
+    # While requests decode and compete for the seats, a step's tokens are
+    # capped so that its predicted time is at most this many times a
+    # decode-only step of the same batch (prefill goes in smaller chunks): a
+    # tenant that becomes backlogged waits for at most one step, and this
+    # keeps that step short. 0 = no cap.
     max_step_ratio: float = 1.5
 
 

@@ -29,8 +29,9 @@ not named). The rules:
 - Short steps (`fair.max_step_ratio`, default 1.5): a tenant that becomes
   backlogged is admitted at the next step, so it waits for the step in
   flight; a step that computes a long prefill beside the decodes can last
-  several decode steps. While requests decode, the token budget is cut so a
-  step's predicted time (a + b * tokens, fitted to the observed steps) stays
+  several decode steps. While requests decode and compete for the seats
+  (running + waiting >= max_num_seqs), the token budget is cut so a step's
+  predicted time (a + b * tokens, fitted to the observed steps) stays
   within the ratio times a decode-only step of the running batch: prefill
   goes in chunks that ride along with the decodes, at the cost of more steps
   to a long prompt's first token. A tenant holding fewer weighted seats than
@@ -188,7 +189,12 @@ class FairPolicy(Policy):
     def token_budget(self, num_running: int) -> int:
         budget = self.cfg.max_num_batched_tokens
         ratio = self.cfg.fair.max_step_ratio
-        if not ratio or num_running == 0:
+        # Only while requests compete for the seats: with seats to spare a
+        # long prompt keeps its big chunks (a cap beside a few short decode
+        # steps would cut it into slivers).
+        if not ratio or num_running == 0 or self._sched is None:
+            return budget
+        if num_running + len(self._sched.waiting) < self.cfg.max_num_seqs:
             return budget
         decode = self.steps.predict(num_running)
         if decode is None:  # too few steps observed yet

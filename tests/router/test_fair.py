@@ -236,7 +236,7 @@ def test_prefill_rides_in_short_steps_while_requests_decode(ratio):
     in chunks that keep each step's predicted time within the ratio times a
     decode-only step (0: one chunk up to max_num_batched_tokens); the
     least-served tenant's prompt is never cut."""
-    sched = fair_scheduler(max_num_seqs=10, max_num_batched_tokens=512, max_step_ratio=ratio)
+    sched = fair_scheduler(max_num_seqs=9, max_num_batched_tokens=512, max_step_ratio=ratio)
     heavy, ex = _flood(sched, heavy_n=8)
     assert len(sched.running) == 8 and not any(r.is_prefill for r in sched.running)
     for tokens in (8, 136, 8, 64, 8, 200, 8, 8) * 2:  # a host: 20 ms a step + 0.5 ms a token
@@ -252,13 +252,13 @@ def test_prefill_rides_in_short_steps_while_requests_decode(ratio):
         out = step(sched, ex, now=1.0 + 0.01 * i)
         chunks += [s.num_prompt_tokens for s in out.seqs if s.req is long]
         assert len(out.seqs) == 9  # every decode still runs every step
-    # Light arrives while heavy's prompt is mid-way: its 40 tokens go in one
-    # step (beyond the cap if need be), heavy's chunk gets what is left.
+    # Light arrives while heavy's prompt is mid-way: it takes the seat of
+    # heavy's newest request (that prompt; its computed blocks stay in the
+    # prefix cache) and its 40 tokens go in one step, beyond the cap.
     light = request("light", 40, 4, 1.05)
     sched.add(light)
     light_step = step(sched, ex, now=1.05)
     got = {s.req.tenant: s.num_prompt_tokens for s in light_step.seqs if s.num_prompt_tokens}
-    chunks.append(got.get("heavy", 0))
     for i in range(20):
         if not long.is_prefill:
             break
@@ -266,12 +266,25 @@ def test_prefill_rides_in_short_steps_while_requests_decode(ratio):
         chunks += [s.num_prompt_tokens for s in out.seqs if s.req is long]
     if ratio:
         assert chunks[:3] == [48, 50, 50]  # cap(8) - 8 decodes, then cap(9) - 8
-        assert got == {"light": 40, "heavy": math.floor(cap(9)) - 8 - 40}  # 58 - 8 decodes - light's 40
-        assert light_step.num_tokens == math.floor(cap(9))
+        assert got == {"light": 40} and light_step.num_preempted == 1 and light_step.num_tokens == 8 + 40
+        assert all(c <= math.floor(cap(9)) - 8 for c in chunks)
     else:
         assert chunks[0] == 300 and got == {"light": 40}  # heavy's prompt was done
-    assert sum(chunks) == 300 and light.num_computed_tokens >= 40
+    assert long.num_computed_tokens >= 300 and light.num_computed_tokens >= 40
     finish_all(sched, {"all": heavy + [long, light]})
+
+
+def test_with_seats_to_spare_a_long_prompt_keeps_its_chunk():
+    """The cap holds only while requests compete for the seats."""
+    sched = fair_scheduler(max_num_seqs=16, max_num_batched_tokens=512)
+    heavy, ex = _flood(sched, heavy_n=8)
+    for tokens in (8, 136, 8, 64, 8, 200, 8, 8) * 2:
+        sched.policy.on_step(tokens, 0.020 + 0.0005 * tokens)
+    long = request("heavy", 300, 4, 1.0)
+    sched.add(long)
+    out = step(sched, ex, now=1.0)
+    assert [s.num_prompt_tokens for s in out.seqs if s.req is long] == [300]
+    finish_all(sched, {"all": heavy + [long]})
 
 
 def test_no_ping_pong_between_two_flooding_tenants():
