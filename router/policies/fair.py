@@ -48,7 +48,6 @@ them over (`adopt`).
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -183,8 +182,7 @@ class FairPolicy(Policy):
         t.counter += (f.prompt_weight * prompt_tokens + f.output_weight * output_tokens) / self.weight(req.tenant)
 
     def on_step(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.steps.observe(tokens, seconds)
+        self.steps.observe(tokens, seconds)
 
     def token_budget(self, num_running: int) -> int:
         budget = self.cfg.max_num_batched_tokens
@@ -199,13 +197,10 @@ class FairPolicy(Policy):
         decode = self.steps.predict(num_running)
         if decode is None:  # too few steps observed yet
             return budget
-        fits = self.steps.tokens_within(ratio * decode)
-        if fits == math.inf:
-            return budget
+        cap = self.steps.budget_within(ratio * decode, num_running + 1, budget)
         # A tenant with few seats gets its prompt whole: its first token is
         # what the short steps are for.
-        cap = max(num_running + 1, math.floor(fits), num_running + self._protected[1])
-        return int(min(budget, cap))
+        return min(budget, max(cap, num_running + self._protected[1]))
 
     def prefill_reserve(self, req: Request) -> int:
         # Other tenants' prefill chunks leave room for the protected waiting

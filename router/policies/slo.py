@@ -45,6 +45,9 @@ class StepModel:
         self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
+        """One step's tokens and seconds; empty or untimed steps are skipped."""
+        if tokens <= 0 or seconds <= 0:
+            return
         d = self.decay
         self.n = d * self.n + 1.0
         self.sx = d * self.sx + tokens
@@ -74,6 +77,12 @@ class StepModel:
         if c is None or c[1] <= 0:
             return INF
         return (seconds - c[0]) / c[1]
+
+    def budget_within(self, seconds: float, least: int, most: int) -> int:
+        """A step's token budget so it lasts at most `seconds`: at least
+        `least`, at most `most` (all of `most` before the model has data)."""
+        fits = self.tokens_within(seconds)
+        return most if fits == INF else int(max(least, min(most, math.floor(fits))))
 
 
 def rejects_misses(sched) -> bool:
@@ -105,8 +114,7 @@ class SloPolicy(Policy):
             self.steps = old.steps
 
     def on_step(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.steps.observe(tokens, seconds)
+        self.steps.observe(tokens, seconds)
 
     # -- deadlines ----------------------------------------------------------------
     def prefill_seconds(self, req: Request) -> float:
@@ -156,7 +164,4 @@ class SloPolicy(Policy):
         tpot = self._tightest_tpot()
         if tpot == INF:
             return budget
-        fits = self.steps.tokens_within(tpot)
-        if fits == INF:
-            return budget
-        return int(max(num_running + 1, min(budget, math.floor(fits))))
+        return self.steps.budget_within(tpot, num_running + 1, budget)
