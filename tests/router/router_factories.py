@@ -46,6 +46,22 @@ def make_request(
     )
 
 
+_distinct = itertools.count()
+
+
+def distinct_request(prompt_len: int, max_new_tokens: int, now: float, *, prefix: str, priority: int = 0) -> Request:
+    """A request `<prefix><n>` arriving at `now` whose prompt shares no block
+    with the last 500 made here (no prefix-cache hits between them)."""
+    i = next(_distinct)
+    return make_request(
+        [10 + 1000 * (i % 500) + j for j in range(prompt_len)],
+        max_new_tokens,
+        request_id=f"{prefix}{i}",
+        arrival_time=now,
+        priority=priority,
+    )
+
+
 def create_requests(
     num: int,
     prompt_len: int | list[int] = 4,

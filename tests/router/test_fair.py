@@ -6,7 +6,6 @@ KV block leaked whatever way a request ends."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
@@ -22,13 +21,12 @@ from tests.router.router_factories import (
     FakeExecutor,
     assert_scheduler_empty,
     create_scheduler,
-    make_request,
+    distinct_request,
     run_to_completion,
     step,
 )
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-_n = itertools.count()
 
 
 def fair_scheduler(preempt=True, weights=None, prompt_weight=1.0, output_weight=2.0, max_step_ratio=2.0, **kw):
@@ -47,14 +45,7 @@ def fair_scheduler(preempt=True, weights=None, prompt_weight=1.0, output_weight=
 
 
 def request(tenant, prompt_len, max_new, now, priority=0):
-    i = next(_n)
-    req = make_request(
-        [10 + 1000 * (i % 500) + j for j in range(prompt_len)],
-        max_new,
-        request_id=f"{tenant}-{i}",
-        arrival_time=now,
-        priority=priority,
-    )
+    req = distinct_request(prompt_len, max_new, now, prefix=f"{tenant}-", priority=priority)
     req.tenant = tenant
     return req
 

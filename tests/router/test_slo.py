@@ -6,7 +6,6 @@ block leaked; and the config's refusals."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
@@ -17,21 +16,13 @@ from hypothesis import strategies as st
 from router.config import ConfigError, config_from_dict
 from router.policies.slo import SloPolicy, StepModel
 from router.request import Finish, Status
-from tests.router.router_factories import FakeExecutor, assert_scheduler_empty, create_scheduler, make_request
+from tests.router.router_factories import FakeExecutor, assert_scheduler_empty, create_scheduler, distinct_request
 
-_n = itertools.count()
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def classed(prompt_len, max_new, now, ttft_s=None, tpot_s=None, priority=0):
-    i = next(_n)
-    req = make_request(
-        [10 + 1000 * (i % 500) + j for j in range(prompt_len)],
-        max_new,
-        request_id=f"s{i}",
-        arrival_time=now,
-        priority=priority,
-    )
+    req = distinct_request(prompt_len, max_new, now, prefix="s", priority=priority)
     if ttft_s is not None:
         req.slo_class, req.ttft_deadline, req.tpot_s = "c", now + ttft_s, tpot_s
     return req
