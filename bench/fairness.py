@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 
 from bench.http_client import stream_completion
+from bench.metrics_scrape import fetch_text
 from bench.online import SERVED_NAME, VllmServer, _cpu_model
 from bench.runner import REPO, vllm_available
 from bench.server import CbserveServer
@@ -136,14 +137,10 @@ HEAVY = {"streams": 40, "prompt": 128, "output": 192}
 
 
 def _scrape(url: str) -> dict[str, float]:
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
     out = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(fetch_text(url, timeout=5)):
         for s in fam.samples:
             if s.name == "cbserve_tenant_service_tokens_total":
                 key = (s.labels["tenant"], s.labels["kind"])

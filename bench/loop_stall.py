@@ -123,14 +123,12 @@ _TIMES = ("cbserve_iteration_seconds", "cbserve_executor_step_seconds", "cbserve
 
 
 def _sums(metrics_url: str) -> dict[str, float]:
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(metrics_url, timeout=5) as r:
-        text = r.read().decode()
+    from bench.metrics_scrape import fetch_text
+
     out = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(fetch_text(metrics_url, timeout=5)):
         for smp in fam.samples:
             if smp.name.removesuffix("_sum").removesuffix("_count") in _TIMES and smp.name.endswith(("_sum", "_count")):
                 out[smp.name] = smp.value
