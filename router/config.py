@@ -214,6 +214,11 @@ class SchedulerConfig:
     # Steady-state decode: send the next plan while the current one runs, so
     # the executor never waits for the router (see Scheduler.schedule_ahead).
     pipeline_decode: bool = True
+    # Late binding of that plan: it is held until this long before the step in
+    # flight is predicted to end (from the executor's last decode step time),
+    # so a prompt arriving meanwhile joins the next step instead of queueing
+    # behind a decode already sent. 0 = send it as soon as it is planned.
+    pipeline_lead_ms: float = 4.0
     # With auth off, a request's tenant is this header (HTTP) or metadata key
     # (gRPC), else the OpenAI `user` field, else `default`. It is the header
     # the Gateway API Inference Extension sends. Ignored with auth on: the
@@ -381,6 +386,7 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     _positive(s.sjf_max_wait_s, "scheduler.sjf_max_wait_s")
     _positive(s.static_batch_size, "scheduler.static_batch_size")
     _positive(s.dynamic_max_wait_ms, "scheduler.dynamic_max_wait_ms", True)
+    _positive(s.pipeline_lead_ms, "scheduler.pipeline_lead_ms", True)
     _validate_fair(s.fair)
     _validate_slo(s)
     if not _plain_name(s.tenant_header):

@@ -202,6 +202,7 @@ class Engine:
         self._eos_ids: tuple[int, ...] = ()
         self.structured = None  # router/structured.py, once the executor's vocabulary is known
         self._last_result_t = 0.0  # perf_counter of the last step result
+        self._decode_step_s: float | None = None  # the executor's last pure-decode step
         self._ready_callbacks: list[Callable[[bool], None]] = []
         self._seen: dict[int, int] = {}  # counter id -> scheduler total already exported
         self._gauge_policy = ""
@@ -395,6 +396,9 @@ class Engine:
         router's own work."""
         sched = self.scheduler
         inflight: deque[tuple[asyncio.Task, SchedulerOutput, float]] = deque()
+        # perf_counter at which the plan after inflight[-1] is sent; None when
+        # it is planned (or not) at once.
+        ahead_at: float | None = None
         try:
             while not self._stop.is_set():
                 if not inflight:
@@ -418,8 +422,23 @@ class Engine:
                             pass
                         continue
                     inflight.append(self._launch(out))
-                    self._launch_ahead(inflight)
+                    ahead_at = self._ahead_at(out, inflight[-1][2])
+                    if ahead_at is None:
+                        self._launch_ahead(inflight)
                     continue
+                if ahead_at is not None:
+                    # The next plan is held until just before the step in
+                    # flight ends; a step done sooner goes through schedule().
+                    task = inflight[0][0]
+                    delay = ahead_at - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.wait((task,), timeout=delay)
+                    ahead_at = None
+                    if not task.done():
+                        self._expire_slo()
+                        self._apply_aborts()
+                        self._expire_deadlines()
+                        self._launch_ahead(inflight)
                 task, out, t_launch = inflight.popleft()
                 try:
                     result = await task
@@ -449,11 +468,16 @@ class Engine:
                 # previous result when it was sent ahead.
                 self._observe(out, result, now - max(t_launch, self._last_result_t))
                 self._last_result_t = now
+                if out.seqs and out.num_tokens == len(out.seqs) and not out.num_prompt_tokens:
+                    self._decode_step_s = result.step_seconds
                 if inflight:
-                    self._expire_slo()
-                    self._apply_aborts()
-                    self._expire_deadlines()
-                    self._launch_ahead(inflight)
+                    # The plan sent ahead started when this result was sent.
+                    ahead_at = self._ahead_at(inflight[-1][1], now)
+                    if ahead_at is None:
+                        self._expire_slo()
+                        self._apply_aborts()
+                        self._expire_deadlines()
+                        self._launch_ahead(inflight)
         finally:
             # Steps still in flight failed with the stream or are abandoned.
             # A cancelled one may still end with the stream's error (its result
@@ -497,6 +521,20 @@ class Engine:
             self._trace_plan(out)
         plan = encode_plan(self._step_id, out, self._eos_ids)
         return asyncio.ensure_future(self.client.step(plan)), out, time.perf_counter()
+
+    def _ahead_at(self, running: SchedulerOutput, started: float) -> float | None:
+        """When to send the plan after `running`, a step that began at
+        `started`: `pipeline_lead_ms` before its predicted end, predicted from
+        the executor's last pure-decode step (only such steps are followed by
+        one planned ahead). None = now: no prediction yet, late binding off,
+        or too little time left to hold it."""
+        lead = self.cfg.scheduler.pipeline_lead_ms / 1e3
+        if lead <= 0 or self._decode_step_s is None or not self.cfg.scheduler.pipeline_decode:
+            return None
+        if not running.seqs or running.num_tokens != len(running.seqs) or running.num_prompt_tokens:
+            return None
+        at = started + self._decode_step_s - lead
+        return at if at > time.perf_counter() else None
 
     def _launch_ahead(self, inflight: deque) -> None:
         """Sends the next plan now if the scheduler can plan it ahead."""
