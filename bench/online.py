@@ -322,7 +322,8 @@ def run(args) -> dict:
             "python": platform.python_version(),
         },
     }
-    with CbserveServer(workdir, "fcfs", dtype=args.dtype) as server:
+    overrides = cbserve_overrides(args.cbserve_set)
+    with CbserveServer(workdir, "fcfs", dtype=args.dtype, config_overrides=overrides) as server:
         _warm_up(_http_base(server), SERVED_NAME)
         results["systems"]["cbserve"] = sweep(_http_base(server), SERVED_NAME, rates, args, "cbserve")
         if args.protocol_pairs:
@@ -345,6 +346,21 @@ def run(args) -> dict:
             finally:
                 vllm.stop()
     return results
+
+
+def cbserve_overrides(settings: list[str]) -> dict:
+    """`SECTION.KEY=VALUE` settings (VALUE read as YAML) as CbserveServer's
+    config_overrides: {"extra": {SECTION: {KEY: VALUE}}}."""
+    import yaml
+
+    extra: dict[str, dict] = {}
+    for item in settings:
+        name, sep, value = item.partition("=")
+        section, dot, key = name.partition(".")
+        if not sep or not dot or not key:
+            raise SystemExit(f"--cbserve-set {item!r}: expected SECTION.KEY=VALUE")
+        extra.setdefault(section, {})[key] = yaml.safe_load(value)
+    return {"extra": extra} if extra else {}
 
 
 def targets(results: dict) -> list[tuple[str, str, str]]:
@@ -495,6 +511,13 @@ def _plot(results: dict, out_dir: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="cbserve bench online", description=__doc__.splitlines()[0])
     ap.add_argument("--systems", default="cbserve,vllm-cpu-serve")
+    ap.add_argument(
+        "--cbserve-set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a router config setting for cbserve (repeatable), e.g. scheduler.pipeline_lead_ms=0",
+    )
     ap.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), help="req/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=25.0, help="arrivals per rate last about this long")
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -99,3 +99,19 @@ def test_the_online_section_lives_in_the_suite_page_and_survives_a_suite_run(tmp
     render_report({"runs": []}, tmp_path)
     kept = online_section(page.read_text())
     assert "50.0%" in kept and page.read_text().startswith("# cbserve benchmarks")
+
+
+def test_cbserve_settings_become_the_router_configs_sections(tmp_path):
+    import pytest
+    import yaml
+
+    from bench.server import write_router_config
+
+    extra = online.cbserve_overrides(["scheduler.pipeline_lead_ms=0", "cache.enable_prefix_caching=false"])["extra"]
+    cfg = yaml.safe_load(write_router_config(tmp_path / "r.yaml", "fcfs", extra=extra).read_text())
+    assert cfg["scheduler"]["pipeline_lead_ms"] == 0 and cfg["scheduler"]["policy"] == "fcfs"
+    assert cfg["cache"] == {"enable_prefix_caching": False}
+    assert online.cbserve_overrides([]) == {}
+    for bad in ("pipeline_lead_ms=0", "scheduler.pipeline_lead_ms", "scheduler.=1"):
+        with pytest.raises(SystemExit, match="SECTION.KEY=VALUE"):
+            online.cbserve_overrides([bad])
