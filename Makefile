@@ -1,6 +1,6 @@
 # cbserve: two commands on a fresh clone.
 #   make serve   set up .venv (idempotent) and start router + executor with SmolLM2
-#   make test    set up the same way, run `make lint`, then the whole suite
+#   make test    set up the same way, run `make lint`, then the suite (not the soak: `make soak`)
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -14,7 +14,7 @@ METRICS_PORT ?= 9090
 HTTP_PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve lint format test test-fast protos bench bench-kernels bench-peers bench-aiperf native-cuda-check image image-smoke clean
+.PHONY: install serve lint format test test-fast soak protos bench bench-kernels bench-peers bench-aiperf native-cuda-check image image-smoke clean
 
 install: $(STAMP)
 
@@ -46,10 +46,15 @@ format: install
 	$(VENV)/bin/clang-format -i $(CXX_SRC)
 
 test: install lint
-	$(PY) -m pytest -q -rs tests $(ARGS)
+	$(PY) -m pytest -q -rs -m "not soak" tests $(ARGS)
+
+# The 2-minute soak (tests marked `soak`): mixed traffic, executor kills
+# and a hang, nothing lost. CI runs it after `make test`.
+soak: install
+	$(PY) -m pytest -q -rs -m soak tests $(ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not smollm2" tests $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not smollm2 and not soak" tests $(ARGS)
 
 # Regenerates the committed gRPC stubs (tests/test_protos.py checks they match).
 protos: install

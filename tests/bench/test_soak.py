@@ -1,5 +1,6 @@
 """The 2-minute soak: mixed traffic, two executor kills and a hang, nothing
-lost (`cbserve bench soak --minutes 2`, a real server on loopback)."""
+lost (`cbserve bench soak --minutes 2`, a real server on loopback). Marked
+`soak`: `make soak` and CI run it, `make test` leaves it out."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
+@pytest.mark.soak
 def test_a_two_minute_soak_loses_nothing(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run(
