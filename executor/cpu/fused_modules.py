@@ -66,23 +66,26 @@ class FusedMLP(torch.nn.Module):
         ops = _gate_up_silu_ops(w)
         self.gate_up: PackedLinear | None = None
         self.packed_rows = None
+        self.packed_blocks = None  # avx512_linear_silu_mul's Q4_1 blocks for few rows (no AMX)
         if ops is None:
             fused = torch.nn.Linear(w.shape[1], 2 * self.inter, bias=False, dtype=w.dtype)
             with torch.no_grad():
                 fused.weight.copy_(w)
             self.gate_up = PackedLinear(fused, batch_hint)
         else:
-            pack, self._gate_up_silu = ops
-            if packed_linear.amx_ops() is None:  # avx512_linear_silu_mul: bf16 tiles only
-                self.packed_gate_up = pack(w)
-            else:
-                from executor.cpu.gguf_weights import blocks_of, packed_rows, packed_tiles
+            from executor.cpu.gguf_weights import blocks_of, packed_rows, packed_tiles, small_batch_blocks
 
-                # amx_pack_gate_up's row order: gate block j, then up block j (16 rows each).
-                order = torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1)
-                blocks = blocks_of(*projs)
-                if blocks is not None:
-                    blocks = blocks.rows(order)
+            pack, self._gate_up_silu = ops
+            # amx_pack_gate_up's row order: gate block j, then up block j (16
+            # rows each); both kernels read GGUF blocks in that order too.
+            order = torch.arange(2 * self.inter).view(2, -1, 16).transpose(0, 1).reshape(-1)
+            blocks = blocks_of(*projs)
+            if blocks is not None:
+                blocks = blocks.rows(order)
+            if packed_linear.amx_ops() is None:  # avx512_linear_silu_mul: the tiles, Q4_1 blocks for few rows
+                self.packed_gate_up = pack(w)
+                self.packed_blocks = small_batch_blocks(blocks, self.packed_gate_up, "gate_up")
+            else:
                 self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
                 if activation == "silu":  # amx_q4_rows_linear's epilogue is SiLU's
                     self.packed_rows = packed_rows(blocks, w[order], "gate_up")
@@ -93,7 +96,8 @@ class FusedMLP(torch.nn.Module):
     @property
     def kernel(self) -> str:
         """What computes act(gate) * up: "amx_linear_silu_mul" (+ "-q4_1" / "-q8_0" over GGUF blocks),
-        "avx512_linear_silu_mul" or "<gate_up kernel> + silu_and_mul"; "(gelu_tanh)" after it for GELU."""
+        "avx512_linear_silu_mul" ("+q4_1": over Q4_1 blocks for few rows)
+        or "<gate_up kernel> + silu_and_mul"; "(gelu_tanh)" after it for GELU."""
         suffix = "" if self.activation == "silu" else f" ({self.activation})"
         if self.gate_up is not None:
             return f"{self.gate_up.kernel} + silu_and_mul{suffix}"
@@ -101,6 +105,8 @@ class FusedMLP(torch.nn.Module):
 
         kind = packed_kind(self.packed_gate_up)
         name = self._gate_up_silu.__name__
+        if self.packed_blocks is not None:
+            name += "+q4_1"
         return (name if kind is None else f"{name}-{kind}") + suffix
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +116,10 @@ class FusedMLP(torch.nn.Module):
         if x.dim() == 2:  # the lean forward's [T, H]
             if x.shape[0] <= packed_linear.Q4_ROWS_MAX_ROWS and self.packed_rows is not None:
                 return _fused().amx_q4_rows_linear(x.contiguous(), self.packed_rows, 2 * self.inter, self.inter)
-            return self._gate_up_silu(x.contiguous(), self.packed_gate_up, self.inter, self.activation)
+            packed = self.packed_gate_up
+            if x.shape[0] <= packed_linear.AVX512_BLOCKS_MAX_ROWS and self.packed_blocks is not None:
+                packed = self.packed_blocks
+            return self._gate_up_silu(x.contiguous(), packed, self.inter, self.activation)
         out = self._gate_up_silu(
             x.reshape(-1, x.shape[-1]).contiguous(), self.packed_gate_up, self.inter, self.activation
         )

@@ -215,10 +215,11 @@ def enabled() -> bool:
 
 
 def supported() -> bool:
-    """Whether the kernels that read blocks run here (AMX-BF16 CPUs)."""
-    from executor.cpu.packed_linear import amx_ops
+    """Whether the kernels that read blocks run here: amx_linear on AMX-BF16
+    CPUs, avx512_linear on other AVX512-BF16 CPUs."""
+    from executor.cpu.packed_linear import amx_ops, avx512_ops
 
-    return amx_ops() is not None
+    return amx_ops() is not None or avx512_ops() is not None
 
 
 def attach(model: torch.nn.Module, gguf_path: str) -> int:
@@ -279,6 +280,16 @@ def packed_tiles(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str
         return packed
     _LOGGER.warning("GGUF blocks do not expand to the loaded weights; serving bf16 tiles", layer=what)
     return bf16_tiles
+
+
+def small_batch_blocks(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str) -> torch.Tensor | None:
+    """The packed Q4_1 blocks for avx512_linear's small batches (CPUs without
+    AMX) where they expand to exactly `bf16_tiles`, else None (Q8_0 blocks:
+    slower there than the tiles; packed_linear.AVX512_BLOCKS_MAX_ROWS)."""
+    if blocks is None or blocks.kind != "q4_1":
+        return None
+    packed = packed_tiles(blocks, bf16_tiles, what)
+    return packed if packed is not bf16_tiles else None
 
 
 def packed_rows(blocks: BlockWeight | None, weight: torch.Tensor, what: str) -> torch.Tensor | None:

@@ -54,6 +54,13 @@ AMX_MAX_ROWS = 320
 # beats amx_linear kernel against kernel, but in a whole decode step only up
 # to about here (docs/native.md).
 Q4_ROWS_MAX_ROWS = 32
+# Rows up to which, on AVX512-BF16 CPUs without AMX, GGUF Q4_1 layers run
+# `avx512_linear` over their blocks (expanded in registers) rather than over
+# the bf16 tiles: the 4-bit blocks are 5/16 of the bytes, and the expansion
+# costs less than the bytes saved up to ~6 rows (kernel against kernel, from
+# memory; docs/native.md). Q8_0 blocks expand slower than bf16 tiles stream
+# at any row count here, so Q8_0 layers keep the tiles alone.
+AVX512_BLOCKS_MAX_ROWS = 4
 
 
 def _fused():
@@ -115,6 +122,7 @@ class PackedLinear(torch.nn.Module):
         self._avx2_f32 = None
         self._amx_argmax = None
         self.packed_rows = None
+        self.packed_blocks = None  # avx512_linear's Q4_1 blocks for <= AVX512_BLOCKS_MAX_ROWS rows
         if amx is not None:
             from executor.cpu.gguf_weights import blocks_of, packed_rows, packed_tiles
 
@@ -127,8 +135,12 @@ class PackedLinear(torch.nn.Module):
                 self.packed_rows = packed_rows(self.cbserve_blocks, w, "linear")
             self._amx_argmax = _fused().amx_linear_argmax  # amx_ops() checked the CPU
         elif avx512 is not None:
+            from executor.cpu.gguf_weights import blocks_of, small_batch_blocks
+
             pack, self._avx512 = avx512
+            self.cbserve_blocks = blocks_of(linear)  # as on AMX: kept for the fused q|k|v
             self.packed = pack(w)
+            self.packed_blocks = small_batch_blocks(self.cbserve_blocks, self.packed, "linear")
         else:
             avx2 = avx2_f32_ops() if w.dtype in (torch.float32, torch.bfloat16) else None
             if avx2 is not None:
@@ -143,14 +155,15 @@ class PackedLinear(torch.nn.Module):
     @property
     def kernel(self) -> str:
         """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
-        blocks), "avx512", "avx2_f32" or "onednn"."""
+        blocks), "avx512" ("avx512+q4_1": also over Q4_1 blocks for small
+        batches), "avx2_f32" or "onednn"."""
         if self._amx is not None:
             from executor.cpu.gguf_weights import packed_kind
 
             kind = packed_kind(self.packed)
             return "amx" if kind is None else f"amx-{kind}"
         if self._avx512 is not None:
-            return "avx512"
+            return "avx512" if self.packed_blocks is None else "avx512+q4_1"
         if self._avx2_f32 is not None:
             return "avx2_f32"
         return "onednn"
@@ -162,10 +175,13 @@ class PackedLinear(torch.nn.Module):
                 return "amx_q4_rows_linear"
             return "amx_linear" if rows <= AMX_MAX_ROWS else "F.linear"
         if self._avx512 is not None:
-            return "avx512_linear"
+            return "avx512_linear-q4_1" if self._small_blocks(rows) else "avx512_linear"
         if self._avx2_f32 is not None:
             return "avx2_f32_linear"
         return "oneDNN prepacked"
+
+    def _small_blocks(self, rows: int) -> bool:
+        return self.packed_blocks is not None and rows <= AVX512_BLOCKS_MAX_ROWS
 
     def plain_weight(self) -> torch.Tensor:
         """The [out_features, in_features] weight: the model's tensor, or for
@@ -190,7 +206,8 @@ class PackedLinear(torch.nn.Module):
             else:
                 out = torch.nn.functional.linear(x2, self.weight, self.bias)
         elif self._avx512 is not None:
-            out = self._avx512(x2.contiguous(), self.packed, self.out_features, self.bias)
+            packed = self.packed_blocks if self._small_blocks(rows) else self.packed
+            out = self._avx512(x2.contiguous(), packed, self.out_features, self.bias)
         elif self._avx2_f32 is not None:
             out = self._avx2_f32(x2.contiguous(), self.packed, self.out_features, self.bias)
         else:

@@ -1,6 +1,8 @@
 """The AMX kernels over GGUF Q4_1 / Q8_0 blocks (executor/cpu/gguf_weights.py
 packs them): the expanded tiles and every output must equal, bit for bit,
-those of the bf16 weights the blocks dequantise to."""
+those of the bf16 weights the blocks dequantise to. The expansion itself is
+AVX512-BF16 code (gguf_tiles.h), checked on any such CPU; the AVX512-BF16
+kernels over the same blocks: test_avx512_blocks.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 import native._fused as fused
 from executor.cpu.gguf_weights import BlockWeight
 
-pytestmark = pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")
+amx = pytest.mark.skipif(not fused.amx_linear_supported(), reason="needs an AMX-BF16 CPU")
 
 
 def _blocks(kind: str, n: int, k: int, seed: int) -> BlockWeight:
@@ -30,6 +32,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
+@pytest.mark.skipif(not fused.avx512_linear_supported(), reason="needs an AVX512-BF16 CPU")
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (960, 576), (576, 1536)])
 def test_expanded_tiles_equal_the_packed_bf16_weight(kind, n, k):
@@ -42,6 +45,7 @@ def test_expanded_tiles_equal_the_packed_bf16_weight(kind, n, k):
 
 # Rows: one pass (the tiles expanded just before use: 1..32) and several
 # passes over a run of expanded tiles (33+), with and without bias.
+@amx
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 # n: column blocks in pairs (64), and an odd last block (65), which the
 # pair-major packing stores alone.
@@ -60,6 +64,7 @@ def test_linear_and_argmax_equal_the_bf16_kernel(kind, m, n):
         assert torch.equal(fused.amx_linear_argmax(x, packed, n, b), fused.amx_linear_argmax(x, tiles, n, b))
 
 
+@amx
 @pytest.mark.parametrize("m", [1, 20, 64])
 def test_silu_mul_over_gate_up_blocks_equals_the_bf16_kernel(m):
     inter, k = 1536, 576
@@ -76,6 +81,7 @@ def test_silu_mul_over_gate_up_blocks_equals_the_bf16_kernel(m):
     )
 
 
+@amx
 def test_block_arguments_are_checked():
     bw = _blocks("q4_1", 32, 64, seed=0)
     packed = bw.pack()

@@ -48,6 +48,7 @@
 
 #include "bf16_vec.h"
 #include "cpu_isa.h"
+#include "gguf_tiles.h"
 #include "linear_args.h"
 
 #include "../amx_tiles.h"
@@ -64,38 +65,17 @@ constexpr int64_t kTileN = 16;                   // output features per weight t
 constexpr int64_t kTileK = 32;                   // K elements per tile (16 bf16 pairs)
 constexpr int64_t kTileM = 16;                   // rows of x per tile
 constexpr int64_t kTileElems = kTileK * kTileN;  // 512 bf16 = 1 KB
-
-// Packed weight formats (amx_pack_weight; Q4_1 / Q8_0 blocks packed by executor/cpu/gguf_weights.py).
-enum class Fmt { kBf16, kQ4_1, kQ8_0 };
-constexpr int64_t kQ41TileBytes = 320;  // q [4][16 lanes][4 k-pairs] nibbles (low: features 0-7), d [16], m [16] fp16
-constexpr int64_t kQ80TileBytes = 544;  // q [16 k-pairs][2 halves][16 lanes] int8, d [16] fp16
-
-int64_t tile_bytes(Fmt f) { return f == Fmt::kQ4_1 ? kQ41TileBytes : kQ80TileBytes; }
-
-// The format of uint8 blocks packed by executor/cpu/gguf_weights.py, from the
-// size of their last dimension (one tile's bytes); checks the layout.
-Fmt block_fmt(const torch::Tensor& packed) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
-                  (packed.size(2) == kQ41TileBytes || packed.size(2) == kQ80TileBytes),
-              "block-quantised weights must be uint8 [N/16, K/32, ", kQ41TileBytes, " (Q4_1) or ", kQ80TileBytes,
-              " (Q8_0)]");
-  return packed.size(2) == kQ41TileBytes ? Fmt::kQ4_1 : Fmt::kQ8_0;
-}
+using gguf_tiles::block_fmt;
+using gguf_tiles::Fmt;
+using gguf_tiles::tile_bytes;
+#if CB_FUSED_X86
+using gguf_tiles::block_tile_index;
+using gguf_tiles::dequant_tile;
+#endif
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 #if CB_FUSED_X86
-// Where tile (column block nb, k-block kb) of packed blocks sits, in tiles
-// from the start: the blocks are stored pair-major (executor/cpu/gguf_weights.py),
-// column blocks 2p and 2p + 1 alternating k-block by k-block, so a thread's
-// sweep over a pair, and over a run of pairs, is one forward stream (two
-// interleaved streams per pair kept the hardware prefetcher re-learning).
-// An odd last column block follows alone.
-int64_t block_tile_index(int64_t nb, int64_t kb, int64_t nblocks, int64_t kblocks) {
-  const int64_t full = nblocks & ~int64_t(1);
-  return nb < full ? (nb & ~int64_t(1)) * kblocks + 2 * kb + (nb & 1) : nb * kblocks + kb;
-}
-
 // Tiles 0-3: accumulators C[m-half][n-block]; 4-5: x rows 0-15 / 16-31;
 // 6-7: weight tiles of the two column blocks. Every tile is 16 x 64 bytes.
 CB_AMX void load_tile_config() {
@@ -200,54 +180,6 @@ CB_AMX void finish_pass(const PassOut& out, const uint16_t* bias, uint16_t* y, i
     }
     store_block(a0, bias, y + r0 * N, rows, N, n0);
     if (out.two) store_block(a0 + kAcc, bias, y + r0 * N, rows, N, n0 + kTileN);
-  }
-}
-
-// Word w of a tile row holds k-parity (w % 2) of feature w / 2. The packed
-// blocks keep the q values of a row's words 0..15 (features 0..7) and 16..31
-// (features 8..15) in two vectors of 16 lanes, so one vcvtne2ps2bf16 of the
-// two gives the row in tile order; the scales, stored once per feature, are
-// spread to those lanes once per tile.
-alignas(64) constexpr int32_t kLowFeatures[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-alignas(64) constexpr int32_t kHighFeatures[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
-
-// One tile of bf16 weights [16 k-pairs][16 n][2] from its Q4_1 / Q8_0 block
-// form: d * q (+ m) in fp32, then bf16 RNE, as gguf-py and a bf16 cast round
-// them. d * q is exact in fp32 (an 11-bit fp16 significand times a 4- or
-// 8-bit integer), so one FMA rounds d * q + m exactly as a product then a sum do.
-CB_AMX void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst) {
-  const __m512i lo = _mm512_load_si512(kLowFeatures);
-  const __m512i hi = _mm512_load_si512(kHighFeatures);
-  if (fmt == Fmt::kQ4_1) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 288)));
-    const __m512 dl = _mm512_permutexvar_ps(lo, d), dh = _mm512_permutexvar_ps(hi, d);
-    const __m512 ml = _mm512_permutexvar_ps(lo, m), mh = _mm512_permutexvar_ps(hi, m);
-    // q as fp32 by table lookup: vpermps reads only the low 4 bits of each index.
-    const __m512 q16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int g = 0; g < 4; ++g) {  // lane j of group g: byte r = row 4g + r (low nibble: words 0..15)
-      const __m512i v = _mm512_loadu_si512(src + 64 * g);
-#define CB_Q4_ROW(r)                                                                                         \
-  do {                                                                                                       \
-    const __m512 a = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r)), q16), dl, ml);     \
-    const __m512 b = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r) + 4), q16), dh, mh); \
-    _mm512_storeu_si512(dst + 32 * (4 * g + (r)), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));     \
-  } while (0)
-      CB_Q4_ROW(0);
-      CB_Q4_ROW(1);
-      CB_Q4_ROW(2);
-      CB_Q4_ROW(3);
-#undef CB_Q4_ROW
-    }
-    return;
-  }
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 512)));
-  const __m512 dl = _mm512_permutexvar_ps(lo, d), dh = _mm512_permutexvar_ps(hi, d);
-  for (int j = 0; j < 16; ++j) {  // row j: 16 bytes for words 0..15, then 16 for words 16..31
-    const __m128i* q = reinterpret_cast<const __m128i*>(src + 32 * j);
-    const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dl);
-    const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dh);
-    _mm512_storeu_si512(dst + 32 * j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
   }
 }
 
@@ -550,7 +482,7 @@ torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& p
 }
 
 torch::Tensor amx_dequant(const torch::Tensor& packed) {
-  TORCH_CHECK(amx_linear_supported(), "amx_dequant needs an AMX-BF16 CPU");
+  TORCH_CHECK(has_avx512_bf16(), "amx_dequant needs an AVX512-BF16 CPU");
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "packed must be a contiguous CPU tensor");
   const Fmt fmt = block_fmt(packed);
   auto out =

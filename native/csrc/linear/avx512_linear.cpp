@@ -17,18 +17,26 @@
 // epilogue (SiLU or GELU-tanh) (weights from amx_pack_gate_up: gate block j, then up block j), as
 // amx_linear_silu_mul: the [M, 2I] projection is never written.
 //
-// bf16 only; callers check `avx512_linear_supported()`.
+// The weights may also stay in a GGUF file's Q4_1 / Q8_0 blocks (uint8,
+// packed by executor/cpu/gguf_weights.py as for amx_linear): run_blocks
+// expands them to the same bf16 tiles (gguf_tiles.h) a pair of feature blocks
+// at a time and runs the same loop, so the outputs equal the bf16 weights'.
+//
+// bf16 x only; callers check `avx512_linear_supported()`.
 
 #include "avx512_linear.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "bf16_vec.h"
 #include "cpu_isa.h"
+#include "gguf_tiles.h"
 #include "linear_args.h"
 
 namespace cbserve_fused {
@@ -59,6 +67,7 @@ struct Args {
   int64_t panel;  // elements of one feature block's K sweep
   bool silu;      // gate|up pairs: y = act(gate) * up
   Act act = Act::kSilu;
+  bool prefetch = true;  // pull the next group's weights toward L2 (not for expanded blocks)
 };
 
 // acc[r][v] += k-pair p of rows [0, R) of x against blocks [0, NV) of w;
@@ -78,41 +87,11 @@ CB_AVX512BF16 __attribute__((always_inline)) inline void kpair(__m512 (&acc)[R][
   }
 }
 
-// Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV). Row block
-// `rb` of `nrb` pulls its share of the next group's weights toward L2 as it
-// goes: spread over all of the group's row blocks, the group's DRAM traffic
-// runs at an even rate instead of a burst in its first row block (which, at
-// 12-24 rows, asks for more than a core's share of the memory bandwidth and
-// stalls on full miss buffers).
+// The epilogue of rows [m0, m0 + R) against feature blocks [nb, nb + NV):
+// act(gate) * up of (gate, up) block pairs, or the sums plus bias.
 template <int R, int NV>
-CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb, int64_t rb, int64_t nrb) {
-  __m512 acc[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  const uint16_t* w = a.w + nb * a.panel;
-  const uint16_t* x = a.x + m0 * a.K;
-  const int64_t pairs = a.K / 2;
-  // Lines [q, q_end) of each of the next group's feature blocks, one every
-  // nrb-th k-pair on average (past the last group: a prefetch never faults;
-  // integer addresses, no out-of-range pointers).
-  const uintptr_t pf = reinterpret_cast<uintptr_t>(w) + NV * a.panel * 2;
-  const int64_t q_end = (rb + 1) * pairs / nrb;
-  int64_t q = rb * pairs / nrb, credit = 0;
-  const int64_t share = q_end - q;
-  for (int64_t p = 0; p < pairs; ++p) {
-    credit += share;
-    if (credit >= pairs) {
-      credit -= pairs;
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + (v * a.panel + q * 2 * kBlockN) * 2), _MM_HINT_T1);
-      ++q;
-    }
-    kpair<R, NV, false>(acc, w, a.panel, x, a.K, p);
-  }
-  if (a.K & 1) kpair<R, NV, true>(acc, w, a.panel, x, a.K, pairs);  // x[K - 1] and the packing's zero
+CB_AVX512BF16 __attribute__((always_inline)) inline void store_rows(const Args& a, __m512 (&acc)[R][NV], int64_t m0,
+                                                                    int64_t nb) {
   if (a.silu) {  // blocks (gate j, up j) side by side; NV is even here
     const int64_t I = a.N / 2;
 #pragma GCC unroll 8
@@ -136,21 +115,145 @@ CB_AVX512BF16 void micro(const Args& a, int64_t m0, int64_t nb, int64_t rb, int6
   }
 }
 
-// Every row of x against feature blocks [nb, nb + NV), in ceil(M / kMR) row
-// blocks of even size (8 rows: 4 + 4, not 6 + 2): each row block issues an
-// equal share of the next group's prefetches, so they must take equal time.
+// Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV). Row block
+// `rb` of `nrb` pulls its share of the next group's weights toward L2 as it
+// goes: spread over all of the group's row blocks, the group's DRAM traffic
+// runs at an even rate instead of a burst in its first row block (which, at
+// 12-24 rows, asks for more than a core's share of the memory bandwidth and
+// stalls on full miss buffers).
+template <int R, int NV>
+CB_AVX512BF16 void micro(const Args& a, const uint16_t* w, int64_t m0, int64_t nb, int64_t rb, int64_t nrb) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* x = a.x + m0 * a.K;
+  const int64_t pairs = a.K / 2;
+  // Lines [q, q_end) of each of the next group's feature blocks, one every
+  // nrb-th k-pair on average (past the last group: a prefetch never faults;
+  // integer addresses, no out-of-range pointers).
+  const uintptr_t pf = reinterpret_cast<uintptr_t>(w) + NV * a.panel * 2;
+  const int64_t q_end = (rb + 1) * pairs / nrb;
+  int64_t q = rb * pairs / nrb, credit = 0;
+  const int64_t share = q_end - q;
+  for (int64_t p = 0; p < pairs; ++p) {
+    credit += share;
+    if (a.prefetch && credit >= pairs) {
+      credit -= pairs;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + (v * a.panel + q * 2 * kBlockN) * 2), _MM_HINT_T1);
+      ++q;
+    }
+    kpair<R, NV, false>(acc, w, a.panel, x, a.K, p);
+  }
+  if (a.K & 1) kpair<R, NV, true>(acc, w, a.panel, x, a.K, pairs);  // x[K - 1] and the packing's zero
+  store_rows<R, NV>(a, acc, m0, nb);
+}
+
+// acc[r][v] += k-pair p of rows [0, R) of x against the weight vectors wv.
+template <int R, int NV>
+CB_AVX512BF16 __attribute__((always_inline)) inline void dots(__m512 (&acc)[R][NV], const __m512bh (&wv)[NV],
+                                                              const uint16_t* x, int64_t K, int64_t p) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair_at(x + r * K, p));
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xb);
+  }
+}
+
+// Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV) straight from
+// their GGUF blocks (Q4 ? Q4_1 : Q8_0): each k-pair's weight vector is
+// expanded in registers, with dequant_tile's arithmetic (so to the same bf16
+// values), and goes into the dot products without a store. For decode-sized
+// M the expansion is then the only work besides reading the blocks.
+template <int R, int NV, bool Q4>
+CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, int64_t kblocks, int64_t tb, int64_t m0,
+                           int64_t nb) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* x = a.x + m0 * a.K;
+  const __m512i lo = _mm512_load_si512(gguf_tiles::kLowFeatures);
+  const __m512i hi = _mm512_load_si512(gguf_tiles::kHighFeatures);
+  const __m512 q16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const uint8_t* t[NV];
+    __m512 dl[NV], dh[NV], ml[NV], mh[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      t[v] = src + gguf_tiles::block_tile_index(nb + v, kb, nblocks, kblocks) * tb;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + (Q4 ? 256 : 512))));
+      dl[v] = _mm512_permutexvar_ps(lo, d);
+      dh[v] = _mm512_permutexvar_ps(hi, d);
+      if (Q4) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + 288)));
+        ml[v] = _mm512_permutexvar_ps(lo, m);
+        mh[v] = _mm512_permutexvar_ps(hi, m);
+      }
+    }
+    const int64_t p0 = kb * (kBlockK / 2);
+    if (Q4) {
+      for (int g = 0; g < 4; ++g) {  // k-pair 4g + j: byte j of each lane (low nibble: words 0..15)
+        __m512i gv[NV];
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) gv[v] = _mm512_loadu_si512(t[v] + 64 * g);
+#define CB_Q4_PAIR(j)                                                                                       \
+  do {                                                                                                      \
+    __m512bh wv[NV];                                                                                        \
+    for (int v = 0; v < NV; ++v) {                                                                          \
+      const __m512 lo_w =                                                                                   \
+          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(gv[v], 8 * (j)), q16), dl[v], ml[v]);     \
+      const __m512 hi_w =                                                                                   \
+          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(gv[v], 8 * (j) + 4), q16), dh[v], mh[v]); \
+      wv[v] = _mm512_cvtne2ps_pbh(hi_w, lo_w);                                                              \
+    }                                                                                                       \
+    dots<R, NV>(acc, wv, x, a.K, p0 + 4 * g + (j));                                                         \
+  } while (0)
+        CB_Q4_PAIR(0);
+        CB_Q4_PAIR(1);
+        CB_Q4_PAIR(2);
+        CB_Q4_PAIR(3);
+#undef CB_Q4_PAIR
+      }
+    } else {
+#pragma GCC unroll 2
+      for (int j = 0; j < 16; ++j) {  // k-pair j: 16 int8 for words 0..15, then 16 for words 16..31
+        __m512bh wv[NV];
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) {
+          const __m128i* q = reinterpret_cast<const __m128i*>(t[v] + 32 * j);
+          const __m512 lo_w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dl[v]);
+          const __m512 hi_w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dh[v]);
+          wv[v] = _mm512_cvtne2ps_pbh(hi_w, lo_w);
+        }
+        dots<R, NV>(acc, wv, x, a.K, p0 + j);
+      }
+    }
+  }
+  store_rows<R, NV>(a, acc, m0, nb);
+}
+
+// Every row of x against feature blocks [nb, nb + NV), whose panels start at
+// `w`, in ceil(M / kMR) row blocks of even size (8 rows: 4 + 4, not 6 + 2):
+// each row block issues an equal share of the next group's prefetches, so
+// they must take equal time.
 template <int NV>
-CB_AVX512BF16 void all_rows(const Args& a, int64_t nb) {
+CB_AVX512BF16 void all_rows(const Args& a, const uint16_t* w, int64_t nb) {
   const int64_t nrb = ceil_div(a.M, kMR), base = a.M / nrb, extra = a.M % nrb;
   for (int64_t rb = 0, m0 = 0; rb < nrb; ++rb) {
     const int64_t rows = base + (rb < extra ? 1 : 0);
     switch (rows) {
-      case 1: micro<1, NV>(a, m0, nb, rb, nrb); break;
-      case 2: micro<2, NV>(a, m0, nb, rb, nrb); break;
-      case 3: micro<3, NV>(a, m0, nb, rb, nrb); break;
-      case 4: micro<4, NV>(a, m0, nb, rb, nrb); break;
-      case 5: micro<5, NV>(a, m0, nb, rb, nrb); break;
-      default: micro<kMR, NV>(a, m0, nb, rb, nrb); break;
+      case 1: micro<1, NV>(a, w, m0, nb, rb, nrb); break;
+      case 2: micro<2, NV>(a, w, m0, nb, rb, nrb); break;
+      case 3: micro<3, NV>(a, w, m0, nb, rb, nrb); break;
+      case 4: micro<4, NV>(a, w, m0, nb, rb, nrb); break;
+      case 5: micro<5, NV>(a, w, m0, nb, rb, nrb); break;
+      default: micro<kMR, NV>(a, w, m0, nb, rb, nrb); break;
     }
     m0 += rows;
   }
@@ -159,28 +262,34 @@ CB_AVX512BF16 void all_rows(const Args& a, int64_t nb) {
 // Feature blocks [b0, b1), kNV at a time (the rest in smaller groups).
 CB_AVX512BF16 void blocks(const Args& a, int64_t b0, int64_t b1) {
   int64_t nb = b0;
-  for (; nb + kNV <= b1; nb += kNV) all_rows<kNV>(a, nb);
+  for (; nb + kNV <= b1; nb += kNV) all_rows<kNV>(a, a.w + nb * a.panel, nb);
   switch (b1 - nb) {
-    case 1: all_rows<1>(a, nb); break;
-    case 2: all_rows<2>(a, nb); break;
-    case 3: all_rows<3>(a, nb); break;
+    case 1: all_rows<1>(a, a.w + nb * a.panel, nb); break;
+    case 2: all_rows<2>(a, a.w + nb * a.panel, nb); break;
+    case 3: all_rows<3>(a, a.w + nb * a.panel, nb); break;
     default: break;
   }
 }
 
-void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const uint16_t* bias, torch::Tensor& y,
-         bool silu, Act act = Act::kSilu) {
+Args make_args(const torch::Tensor& x, int64_t N, const uint16_t* bias, torch::Tensor& y, bool silu, Act act) {
   Args a;
   a.M = x.size(0);
   a.K = x.size(1);
   a.N = N;
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  a.w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  a.w = nullptr;
   a.bias = bias;
   a.y = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
-  a.panel = packed.size(1) * kTileElems;
   a.silu = silu;
   a.act = act;
+  return a;
+}
+
+void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const uint16_t* bias, torch::Tensor& y,
+         bool silu, Act act = Act::kSilu) {
+  Args a = make_args(x, N, bias, y, silu, act);
+  a.w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  a.panel = packed.size(1) * kTileElems;
   if (a.M == 0) return;
   const int64_t nblocks = ceil_div(N, kBlockN);
   // A fixed contiguous share of units per thread (a unit: one block, or a
@@ -190,17 +299,95 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const u
   const int64_t unit = silu ? 2 : 1;
   at::parallel_for(0, nblocks / unit, 1, [&](int64_t u0, int64_t u1) { blocks(a, u0 * unit, u1 * unit); });
 }
+
+// Over GGUF blocks (gguf_tiles.h): a thread takes pairs of feature blocks
+// (the blocks are stored pair-major, and a (gate, up) pair of
+// amx_pack_gate_up's order is one). Up to kMR rows (one register block) it
+// expands each k-pair in registers as it multiplies (micro_q); with more, it
+// expands the pair's whole K sweep once into two bf16 panels of its own
+// buffer (L2-sized: 2 KB per 32 of K) and runs the bf16 loop over them for
+// every row block. Either way the expanded weights equal amx_pack_weight's
+// tiles of the bf16 model, and each output sums the same products in the
+// same order as avx512_linear's over those tiles: equal bit for bit.
+void run_blocks(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const uint16_t* bias, torch::Tensor& y,
+                bool silu, Act act = Act::kSilu) {
+  Args a = make_args(x, N, bias, y, silu, act);
+  a.prefetch = false;
+  const gguf_tiles::Fmt fmt = gguf_tiles::block_fmt(packed);
+  const int64_t nblocks = packed.size(0), kblocks = packed.size(1), tb = packed.size(2);
+  a.panel = kblocks * kTileElems;
+  if (a.M == 0) return;
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  if (a.M <= kMR) {  // decode sizes: expand in registers, one row block
+    const bool q4 = fmt == gguf_tiles::Fmt::kQ4_1;
+    at::parallel_for(0, ceil_div(nblocks, 2), 1, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t nb = 2 * u;
+        const bool two = nb + 1 < nblocks;
+#define CB_MQ(R)                                                 \
+  case R:                                                        \
+    if (q4 && two)                                               \
+      micro_q<R, 2, true>(a, src, nblocks, kblocks, tb, 0, nb);  \
+    else if (q4)                                                 \
+      micro_q<R, 1, true>(a, src, nblocks, kblocks, tb, 0, nb);  \
+    else if (two)                                                \
+      micro_q<R, 2, false>(a, src, nblocks, kblocks, tb, 0, nb); \
+    else                                                         \
+      micro_q<R, 1, false>(a, src, nblocks, kblocks, tb, 0, nb); \
+    break;
+        switch (a.M) {
+          CB_MQ(1)
+          CB_MQ(2)
+          CB_MQ(3)
+          CB_MQ(4)
+          CB_MQ(5)
+          CB_MQ(6)
+          default: break;
+        }
+#undef CB_MQ
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, ceil_div(nblocks, 2), 1, [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<uint16_t> buf;
+    if (static_cast<int64_t>(buf.size()) < 2 * a.panel) buf.resize(2 * a.panel);
+    uint16_t* panels = buf.data();
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t nb = 2 * u, nv = std::min<int64_t>(2, nblocks - nb);
+      for (int64_t v = 0; v < nv; ++v)
+        for (int64_t kb = 0; kb < kblocks; ++kb)
+          gguf_tiles::dequant_tile(fmt, src + gguf_tiles::block_tile_index(nb + v, kb, nblocks, kblocks) * tb,
+                                   panels + v * a.panel + kb * kTileElems);
+      if (nv == 2)
+        all_rows<2>(a, panels, nb);
+      else
+        all_rows<1>(a, panels, nb);
+    }
+  });
+}
 #endif
 
-void check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_features) {
+// Whether `packed` holds GGUF blocks (uint8) rather than bf16 tiles; checks
+// either layout against x and the output features.
+bool check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_features) {
   TORCH_CHECK(avx512_linear_supported(), "avx512_linear needs an AVX512-BF16 CPU");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "avx512_linear is bf16 only (packed: amx_pack_weight's bf16 tiles)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "avx512_linear takes bf16 x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.size(1) > 0, "x must have K > 0");
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  if (packed.scalar_type() == at::kByte) {
+    gguf_tiles::block_fmt(packed);
+    TORCH_CHECK(packed.size(0) == ceil_div(n_features, kBlockN) && packed.size(1) * kBlockK == x.size(1),
+                "GGUF blocks must be [ceil(N/16), K/32, tile bytes] for x's K (a multiple of 32) and ", n_features,
+                " output features");
+    return true;
+  }
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16,
+              "packed must be amx_pack_weight's bf16 tiles or GGUF blocks (uint8) from executor/cpu/gguf_weights.py");
   check_bf16_tiles(packed, n_features, x.size(1));
+  return false;
 }
 
 }  // namespace
@@ -210,11 +397,14 @@ bool avx512_linear_supported() { return has_avx512_bf16(); }
 torch::Tensor avx512_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                             const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(out_features > 0, "out_features must be positive");
-  check_args(x, packed, out_features);
+  const bool blocks = check_args(x, packed, out_features);
   const uint16_t* bp = bf16_bias(bias, out_features);
   auto y = torch::empty({x.size(0), out_features}, x.options());
 #if CB_FUSED_X86
-  run(x, packed, out_features, bp, y, false);
+  if (blocks)
+    run_blocks(x, packed, out_features, bp, y, false);
+  else
+    run(x, packed, out_features, bp, y, false);
 #endif
   return y;
 }
@@ -223,10 +413,13 @@ torch::Tensor avx512_linear_silu_mul(const torch::Tensor& x, const torch::Tensor
                                      const std::string& activation) {
   const Act act = parse_act(activation);
   TORCH_CHECK(inter > 0 && inter % kBlockN == 0, "inter must be a positive multiple of 16");
-  check_args(x, packed, 2 * inter);
+  const bool blocks = check_args(x, packed, 2 * inter);
   auto y = torch::empty({x.size(0), inter}, x.options());
 #if CB_FUSED_X86
-  run(x, packed, 2 * inter, nullptr, y, true, act);
+  if (blocks)
+    run_blocks(x, packed, 2 * inter, nullptr, y, true, act);
+  else
+    run(x, packed, 2 * inter, nullptr, y, true, act);
 #endif
   return y;
 }
