@@ -27,11 +27,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.gpu_step import SMOLLM2_SHAPE
-
 REPO = Path(__file__).resolve().parent.parent
 
-# SmolLM2-135M's shapes, with its tokenizer's special-token ids.
+# SmolLM2-135M's shape (bench/gpu_step.py's model too); SHAPES adds its
+# tokenizer's special-token ids.
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
 SHAPES = dict(SMOLLM2_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 # name -> (transformers config class, model class, config overrides)

@@ -35,24 +35,13 @@ import time
 
 import torch
 
+from bench.architectures import SMOLLM2_SHAPE
 from bench.standalone import first_divergence, measure_runner
 from cbserve.v1 import executor_pb2 as pb
 from executor.model_loader import load_model
 from executor.model_source import resolve
 from executor.runner import ModelRunner, greedy_generate
 
-SMOLLM2_SHAPE = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=2048,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
 MODES = ("transformers", "lean", "graphs")
 BLOCK_SIZE = 16
 SAMPLED = pb.SeqSampling(temperature=0.8, top_p=0.95, top_k=50, seed=1)

@@ -4,10 +4,21 @@ preemption mechanics live in the scheduler core and are shared by all."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
+from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.request import Request
+
+
+class Queues(Protocol):
+    """What a policy may read of the scheduler it serves (Policy.attach):
+    its queues and block manager, never to be changed by the policy."""
+
+    running: list[Request]
+    waiting: list[Request]
+    swapped: list[Request]
+    blocks: BlockManager
 
 
 class Policy:
@@ -33,7 +44,7 @@ class Policy:
         """How many waiting requests may start this iteration."""
         return math.inf
 
-    def attach(self, scheduler) -> None:
+    def attach(self, scheduler: Queues) -> None:
         """Called when the policy starts serving `scheduler` (at start and
         after a reload, with requests possibly already queued)."""
 

@@ -51,14 +51,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from router.policies.base import Policy
+from router.policies.base import Policy, Queues
 from router.policies.slo import StepModel, deadline
 from router.request import Request, Status
-
-if TYPE_CHECKING:
-    from router.scheduler import Scheduler
 
 # Idle tenants remembered at most (their counters above the virtual time).
 MAX_IDLE_TENANTS = 1024
@@ -81,7 +77,7 @@ class FairPolicy(Policy):
         self.vtime = 0.0
         # Idle tenants with state, oldest first (bounded memory).
         self._idle: OrderedDict[str, None] = OrderedDict()
-        self._sched: Scheduler | None = None
+        self._sched: Queues | None = None
         self._seat_cache: dict[str, int] = {}
         self.steps = StepModel()
         self._protected: tuple[str, int, bool] = ("", 0, False)
@@ -145,7 +141,7 @@ class FairPolicy(Policy):
         return seats
 
     # -- Policy hooks -------------------------------------------------------------
-    def attach(self, scheduler: "Scheduler") -> None:
+    def attach(self, scheduler: Queues) -> None:
         """Learns the requests already queued or running (a policy installed
         by a reload under load): tenants it knows keep their counters, new
         ones start at the virtual time."""
