@@ -165,7 +165,7 @@ def _fused_qkv(attn: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     blocks = blocks_of(*projs)
     if blocks is not None:
         lin.cbserve_blocks = blocks
-    return PackedLinear(lin).forward
+    return PackedLinear(lin, keep_plain=False).forward
 
 
 class QkvPart(torch.nn.Module):

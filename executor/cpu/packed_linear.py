@@ -40,6 +40,7 @@ the numbers behind each choice are in docs/native.md, "Linear layers"):
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import structlog
 import torch
@@ -106,7 +107,7 @@ class PackedLinear(torch.nn.Module):
     weights are not held twice (a weight another module shares, a tied LM
     head's embedding, lives on there)."""
 
-    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 64) -> None:
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 64, keep_plain: bool = True) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -141,6 +142,9 @@ class PackedLinear(torch.nn.Module):
             self.cbserve_blocks = blocks_of(linear)  # as on AMX: kept for the fused q|k|v
             self.packed = pack(w)
             self.packed_blocks = small_batch_blocks(self.cbserve_blocks, self.packed, "linear")
+            if not keep_plain:  # avx512_linear takes any row count: the tiles are the weight
+                del self.weight
+                self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
         else:
             avx2 = avx2_f32_ops() if w.dtype in (torch.float32, torch.bfloat16) else None
             if avx2 is not None:
@@ -189,6 +193,10 @@ class PackedLinear(torch.nn.Module):
         (exact: packing only moves values)."""
         if self.weight.device.type != "meta":
             return self.weight.detach()
+        if self._avx512 is not None:  # bf16 tiles [N/16, K/32, 16 k-pairs, 16 n, 2]
+            nb, kb = self.packed.shape[:2]
+            rows = self.packed.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
+            return rows[: self.out_features, : self.in_features].clone()
         if self._avx2_f32 is None:
             raise ValueError("the plain weight of a oneDNN-packed fp32 layer is gone")
         panels = self.packed.shape[0]
@@ -289,11 +297,15 @@ def prepack_linears(model: torch.nn.Module, batch_hint: int = 64) -> int:
     if not (supported(p.dtype, p.device) or fp32):
         return 0
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
+    # A weight that only its Linear holds is not kept plain beside the tiles
+    # where the packed kernel takes every row count (avx512_linear); a tied
+    # LM head's weight is the embedding's and stays.
+    holders = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
     kernels = set()
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = PackedLinear(mod, batch_hint)
+        packed = PackedLinear(mod, batch_hint, keep_plain=holders[mod.weight.data_ptr()] > 1)
         kernels.add(packed.kernel)
         setattr(parent, child, packed)
     _LOGGER.info("prepacked linear weights", layers=len(targets), kernels=sorted(kernels))

@@ -148,3 +148,36 @@ def test_fused_mlp_runs_the_silu_mul_epilogue(monkeypatch):
         for rows in (1, 7, 130):
             x = torch.randn(rows, 64).bfloat16()
             torch.testing.assert_close(fast(x).float(), mlp(x).float(), rtol=2**-6, atol=2e-2)
+
+
+def test_a_weight_only_its_layer_holds_lives_on_in_the_tiles_alone(monkeypatch):
+    """avx512_linear takes every row count, so prepack_linears keeps no plain
+    bf16 copy beside the tiles, except a tied LM head's (the embedding's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _no_amx(monkeypatch)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).bfloat16()
+    o_before = model.model.layers[0].self_attn.o_proj.weight.detach().clone()
+    x = torch.randn(5, 64).bfloat16()
+    want = torch.nn.functional.linear(x, o_before)
+    assert packed_linear.prepack_linears(model) == 8
+    o = model.model.layers[0].self_attn.o_proj
+    assert o.weight.device.type == "meta" and "weight" not in dict(o.named_parameters())
+    assert torch.equal(o.plain_weight(), o_before)  # unpacked from the tiles, exactly
+    torch.testing.assert_close(o(x).float(), want.float(), rtol=2**-7, atol=2e-2)
+    head = model.lm_head
+    assert head.weight.device.type == "cpu" and head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    # An odd shape unpacks too (the tiles' padding is cut off).
+    lin = torch.nn.Linear(40, 20, bias=False).bfloat16()
+    odd = PackedLinear(lin, keep_plain=False)
+    assert odd.weight.device.type == "meta" and torch.equal(odd.plain_weight(), lin.weight.detach())
