@@ -152,10 +152,24 @@ def packed_kind(packed: torch.Tensor) -> str | None:
 
 
 def _blocks(tensor) -> BlockWeight | None:
-    """A gguf ReaderTensor of type Q4_1 or Q8_0 as a BlockWeight, else None."""
+    """A gguf ReaderTensor of type Q4_0, Q4_1 or Q8_0 as a BlockWeight, else
+    None. Q4_0 (w = d * (q - 8)) becomes Q4_1 with m = -8d: d * q and 8d are
+    exact in fp32 and so is their difference, so the kernels' d * q + m
+    rounds to the bf16 of gguf-py's d * (q - 8), up to the sign of a zero
+    (each layer is still checked against the loaded weight); a block whose
+    -8d overflows fp16 keeps the tensor out."""
     kind = tensor.tensor_type.name.lower()
     raw = torch.from_numpy(tensor.data.copy())  # uint8 [N, blocks * block bytes]
     n = raw.shape[0]
+    if kind == "q4_0":
+        b = raw.view(n, -1, 18)
+        qs = b[..., 2:]
+        q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, -1)  # low nibbles: k 0..15, high: 16..31
+        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        m = (-8 * d.float()).half()
+        if not torch.equal(m.float(), -8 * d.float()):
+            return None
+        return BlockWeight("q4_1", q, d, m)
     if kind == "q4_1":
         b = raw.view(n, -1, 20)
         qs = b[..., 4:]
@@ -279,7 +293,9 @@ def packed_tiles(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str
     import native._fused as fused
 
     packed = blocks.pack()
-    if torch.equal(fused.amx_dequant(packed).view(torch.int16), bf16_tiles.view(torch.int16)):
+    # Equal as values: a Q4_0 weight of 0 expands to +0 where gguf-py's
+    # d * (q - 8) gives -0 for a negative d, the same products either way.
+    if torch.equal(fused.amx_dequant(packed).float(), bf16_tiles.float()):
         return packed
     _LOGGER.warning("GGUF blocks do not expand to the loaded weights; serving bf16 tiles", layer=what)
     return bf16_tiles
