@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "executor ready",
         frozen_objects=gc.get_freeze_count(),
         rss_mb=_trim_heap(),
+        weights_mb=round(runner.weight_bytes / 2**20),
+        **_file_mb(source),
         listen=args.listen,
         model=source.name,
         dtype=str(dtype).removeprefix("torch."),
@@ -178,6 +180,17 @@ def _signal_ready() -> None:
         os.close(int(fd))
     except (OSError, ValueError):
         pass
+
+
+def _file_mb(source) -> dict:
+    """{"gguf_file_mb": size} for a model served from a GGUF file, else {}:
+    beside weights_mb, how far its blocks stay as compact as the file."""
+    if not getattr(source, "gguf_file", None):
+        return {}
+    try:
+        return {"gguf_file_mb": round(os.path.getsize(os.path.join(source.path, source.gguf_file)) / 2**20)}
+    except OSError:
+        return {}
 
 
 def _trim_heap() -> int | None:

@@ -139,8 +139,12 @@ class ModelRunner:
 
             for module in (model, *self._lean_modules()):
                 gguf_weights.release(module)
+        from executor.cpu.huge_pages import module_tensors, resident_bytes
+
+        # What the weights take once loaded and packed (the "executor ready" line).
+        self.weight_bytes = resident_bytes(module_tensors([*model.modules(), *self._lean_modules()]))
         if self.device.type == "cpu":  # what a decode step streams, on 2 MB pages (executor/cpu/huge_pages.py)
-            from executor.cpu.huge_pages import module_tensors, move_to_huge_pages
+            from executor.cpu.huge_pages import move_to_huge_pages
 
             moved = move_to_huge_pages(module_tensors([*model.modules(), *self._lean_modules()]))
             _LOGGER.info("weights on huge pages", mb=round(moved / 2**20))

@@ -95,3 +95,16 @@ def module_tensors(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
         out += [b for b in mod._buffers.values() if b is not None]
         out += [v for v in vars(mod).values() if isinstance(v, torch.Tensor)]
     return out
+
+
+def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under `tensors` (any device; meta and
+    opaque oneDNN tensors hold none that can be counted): what a model's
+    weights take in memory once loaded and packed."""
+    sizes: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t.device.type == "meta" or t.layout != torch.strided or t.is_mkldnn:
+            continue
+        st = t.untyped_storage()
+        sizes[(str(t.device), st.data_ptr())] = st.nbytes()
+    return sum(sizes.values())

@@ -67,12 +67,21 @@ def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, mo
         assert qkv.kernel_for(2) == "avx512_linear-q4_1" if quant != "Q8_0" else qkv.kernel == "avx512"
     else:
         assert qkv.kernel == ("amx-q8_0" if quant == "Q8_0" else "amx-q4_1")
+    modules = {id(m): m for m in [*runner.model.modules(), *runner._lean_modules()]}.values()
+    blocks_bytes = sum(m.packed_blocks.nbytes for m in modules if getattr(m, "packed_blocks", None) is not None)
     got = _hidden_and_tokens(runner, prompts, 6)
+    weight_bytes = runner.weight_bytes
     del runner
     monkeypatch.setenv(gguf_weights.ENV_SWITCH, "0")
     plain = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
     assert plain.lean.layers[0].qkv.__self__.kernel in ("amx", "avx512")
     want = _hidden_and_tokens(plain, prompts, 6)
+    # weight_bytes (the "executor ready" line's weights_mb) counts what each holds:
+    # without AMX the Q4 blocks beside the tiles, with AMX the blocks instead of them.
+    if gguf_weights.packed_kind(qkv.packed) is None:
+        assert weight_bytes - plain.weight_bytes == blocks_bytes and (blocks_bytes > 0) == (quant != "Q8_0")
+    else:
+        assert weight_bytes < plain.weight_bytes
     assert got[0] == want[0]
     assert len(got[1]) == len(want[1]) > 1
     for g, w in zip(got[1], want[1]):

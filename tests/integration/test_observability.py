@@ -119,6 +119,9 @@ def test_startup_heap_is_frozen(load):
     assert ready["executor ready"]["frozen_objects"] > 50_000, ready
     # After handing freed heap pages back, the executor logs its resident set.
     assert 10 < ready["executor ready"]["rss_mb"] < 64_000, ready
+    # ... and what its weights take of it (a GGUF source adds the file's size).
+    assert 0 <= ready["executor ready"]["weights_mb"] <= ready["executor ready"]["rss_mb"], ready
+    assert "gguf_file_mb" not in ready["executor ready"], ready
     assert ready["router listening"]["frozen_objects"] > 10_000, ready
 
 
