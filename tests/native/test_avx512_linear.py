@@ -13,6 +13,7 @@ from executor.cpu import packed_linear
 from executor.cpu.fused_modules import FusedMLP
 from executor.cpu.packed_linear import PackedLinear
 from tests.native.helpers import record_rows
+from tests.small_configs import small
 
 pytestmark = pytest.mark.skipif(not fused.avx512_linear_supported(), reason="needs an AVX512-BF16 CPU")
 
@@ -157,18 +158,10 @@ def test_a_weight_only_its_layer_holds_lives_on_in_the_tiles_alone(monkeypatch):
 
     _no_amx(monkeypatch)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    cfg = LlamaConfig(**small(num_hidden_layers=1, tie_word_embeddings=True))
     model = LlamaForCausalLM(cfg).bfloat16()
     o_before = model.model.layers[0].self_attn.o_proj.weight.detach().clone()
-    x = torch.randn(5, 64).bfloat16()
+    x = torch.randn(5, o_before.shape[1]).bfloat16()
     want = torch.nn.functional.linear(x, o_before)
     assert packed_linear.prepack_linears(model) == 8
     o = model.model.layers[0].self_attn.o_proj
