@@ -32,6 +32,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
+def linear_case(kind: str, m: int, n: int, seed: int, k: int = 576):
+    """Blocks of an [n, k] weight, packed and as the bf16 tiles they expand
+    to, with an x of m rows and a bias: (bw, packed, tiles, x, bias)."""
+    bw = _blocks(kind, n, k, seed=seed)
+    g = torch.Generator().manual_seed(7 * m)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    return bw, bw.pack(), fused.amx_pack_weight(bw.dequantize().bfloat16()), x, bias
+
+
 @pytest.mark.skipif(not fused.avx512_linear_supported(), reason="needs an AVX512-BF16 CPU")
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (960, 576), (576, 1536)])
@@ -52,13 +62,7 @@ def test_expanded_tiles_equal_the_packed_bf16_weight(kind, n, k):
 @pytest.mark.parametrize("n", [1024, 1040])
 @pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 64, 100])
 def test_linear_and_argmax_equal_the_bf16_kernel(kind, m, n):
-    k = 576
-    bw = _blocks(kind, n, k, seed=m)
-    w = bw.dequantize().bfloat16()
-    g = torch.Generator().manual_seed(7 * m)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16()
-    packed, tiles = bw.pack(), fused.amx_pack_weight(w)
+    _, packed, tiles, x, bias = linear_case(kind, m, n, seed=m)
     for b in (None, bias):
         assert torch.equal(_bits(fused.amx_linear(x, packed, n, b)), _bits(fused.amx_linear(x, tiles, n, b)))
         assert torch.equal(fused.amx_linear_argmax(x, packed, n, b), fused.amx_linear_argmax(x, tiles, n, b))

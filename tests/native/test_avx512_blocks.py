@@ -10,7 +10,7 @@ import torch
 
 import native._fused as fused
 from executor.cpu.gguf_weights import BlockWeight
-from tests.native.test_amx_blocks import _bits, _blocks
+from tests.native.test_amx_blocks import _bits, _blocks, linear_case
 
 pytestmark = pytest.mark.skipif(not fused.avx512_linear_supported(), reason="needs an AVX512-BF16 CPU")
 
@@ -22,13 +22,7 @@ pytestmark = pytest.mark.skipif(not fused.avx512_linear_supported(), reason="nee
 @pytest.mark.parametrize("n", [1024, 1040])
 @pytest.mark.parametrize("m", [1, 5, 7, 32, 100])
 def test_linear_equals_the_bf16_kernel(kind, m, n):
-    k = 576
-    bw = _blocks(kind, n, k, seed=m + n)
-    w = bw.dequantize().bfloat16()
-    g = torch.Generator().manual_seed(7 * m)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16()
-    packed, tiles = bw.pack(), fused.amx_pack_weight(w)
+    bw, packed, tiles, x, bias = linear_case(kind, m, n, seed=m + n)
     for b in (None, bias):
         got = fused.avx512_linear(x, packed, n, b)
         assert torch.equal(_bits(got), _bits(fused.avx512_linear(x, tiles, n, b)))
