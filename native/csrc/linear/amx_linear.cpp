@@ -358,16 +358,10 @@ int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int6
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "amx_linear is bf16 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  const int64_t Kpad = round_up(x.size(1), kTileK);
   const int64_t nblocks = round_up(n_features, kTileN) / kTileN;
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
   if (packed.scalar_type() == at::kByte) {
-    fmt = block_fmt(packed);
-    TORCH_CHECK(x.size(1) % kTileK == 0 && n_features % kTileN == 0 && packed.size(0) == nblocks &&
-                    packed.size(1) == Kpad / kTileK,
-                "block-quantised weights of [", n_features, ", ", x.size(1),
-                "] need K a multiple of 32, N of 16, "
-                "and packed [N/16, K/32, tile bytes]");
+    fmt = gguf_tiles::check_blocks(packed, n_features, x.size(1));
     return nblocks;
   }
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed must be bf16 tiles or uint8 quantised blocks");

@@ -378,10 +378,7 @@ bool check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_f
   TORCH_CHECK(x.size(1) > 0, "x must have K > 0");
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
   if (packed.scalar_type() == at::kByte) {
-    gguf_tiles::block_fmt(packed);
-    TORCH_CHECK(packed.size(0) == ceil_div(n_features, kBlockN) && packed.size(1) * kBlockK == x.size(1),
-                "GGUF blocks must be [ceil(N/16), K/32, tile bytes] for x's K (a multiple of 32) and ", n_features,
-                " output features");
+    gguf_tiles::check_blocks(packed, n_features, x.size(1));
     return true;
   }
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16,

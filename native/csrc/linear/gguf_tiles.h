@@ -36,6 +36,17 @@ inline Fmt block_fmt(const torch::Tensor& packed) {
   return packed.size(2) == kQ41TileBytes ? Fmt::kQ4_1 : Fmt::kQ8_0;
 }
 
+// The format of blocks packed for an [n_features, k] weight; checks that
+// they hold whole tiles of exactly that weight.
+inline Fmt check_blocks(const torch::Tensor& packed, int64_t n_features, int64_t k) {
+  const Fmt fmt = block_fmt(packed);
+  TORCH_CHECK(k % kTileK == 0 && n_features % kTileN == 0 && packed.size(0) == n_features / kTileN &&
+                  packed.size(1) == k / kTileK,
+              "block-quantised weights of [", n_features, ", ", k,
+              "] need K a multiple of 32, N of 16, and packed [N/16, K/32, tile bytes]");
+  return fmt;
+}
+
 #if CB_FUSED_X86
 // Where tile (column block nb, k-block kb) of packed blocks sits, in tiles
 // from the start: the blocks are stored pair-major (executor/cpu/gguf_weights.py),
