@@ -141,12 +141,13 @@ class ModelRunner:
                 gguf_weights.release(module)
         from executor.cpu.huge_pages import module_tensors, resident_bytes
 
+        weights = module_tensors([*model.modules(), *self._lean_modules()])
         # What the weights take once loaded and packed (the "executor ready" line).
-        self.weight_bytes = resident_bytes(module_tensors([*model.modules(), *self._lean_modules()]))
+        self.weight_bytes = resident_bytes(weights)
         if self.device.type == "cpu":  # what a decode step streams, on 2 MB pages (executor/cpu/huge_pages.py)
             from executor.cpu.huge_pages import move_to_huge_pages
 
-            moved = move_to_huge_pages(module_tensors([*model.modules(), *self._lean_modules()]))
+            moved = move_to_huge_pages(weights)
             _LOGGER.info("weights on huge pages", mb=round(moved / 2**20))
             _warm_up_rotary(model, self.dtype)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

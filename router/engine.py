@@ -402,9 +402,7 @@ class Engine:
         try:
             while not self._stop.is_set():
                 if not inflight:
-                    self._expire_slo()
-                    self._apply_aborts()
-                    self._expire_deadlines()
+                    self._between_steps()
                     if not sched.has_work():
                         self._update_gauges()
                         self._wake.clear()
@@ -435,9 +433,7 @@ class Engine:
                         await asyncio.wait((task,), timeout=delay)
                     ahead_at = None
                     if not task.done():
-                        self._expire_slo()
-                        self._apply_aborts()
-                        self._expire_deadlines()
+                        self._between_steps()
                         self._launch_ahead(inflight)
                 task, out, t_launch = inflight.popleft()
                 try:
@@ -468,15 +464,13 @@ class Engine:
                 # previous result when it was sent ahead.
                 self._observe(out, result, now - max(t_launch, self._last_result_t))
                 self._last_result_t = now
-                if out.seqs and out.num_tokens == len(out.seqs) and not out.num_prompt_tokens:
+                if out.is_decode_only:
                     self._decode_step_s = result.step_seconds
                 if inflight:
                     # The plan sent ahead started when this result was sent.
                     ahead_at = self._ahead_at(inflight[-1][1], now)
                     if ahead_at is None:
-                        self._expire_slo()
-                        self._apply_aborts()
-                        self._expire_deadlines()
+                        self._between_steps()
                         self._launch_ahead(inflight)
         finally:
             # Steps still in flight failed with the stream or are abandoned.
@@ -522,6 +516,13 @@ class Engine:
         plan = encode_plan(self._step_id, out, self._eos_ids)
         return asyncio.ensure_future(self.client.step(plan)), out, time.perf_counter()
 
+    def _between_steps(self) -> None:
+        """What is due before a plan is made: SLO and deadline expiries and
+        the cancels that came in meanwhile."""
+        self._expire_slo()
+        self._apply_aborts()
+        self._expire_deadlines()
+
     def _ahead_at(self, running: SchedulerOutput, started: float) -> float | None:
         """When to send the plan after `running`, a step that began at
         `started`: `pipeline_lead_ms` before its predicted end, predicted from
@@ -531,7 +532,7 @@ class Engine:
         lead = self.cfg.scheduler.pipeline_lead_ms / 1e3
         if lead <= 0 or self._decode_step_s is None or not self.cfg.scheduler.pipeline_decode:
             return None
-        if not running.seqs or running.num_tokens != len(running.seqs) or running.num_prompt_tokens:
+        if not running.is_decode_only:
             return None
         at = started + self._decode_step_s - lead
         return at if at > time.perf_counter() else None

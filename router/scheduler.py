@@ -59,6 +59,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not (self.seqs or self.free_seq_ids or self.swap_out or self.swap_in)
 
+    @property
+    def is_decode_only(self) -> bool:
+        """One token for each sequence and no prompt: a step that can be
+        followed by one planned ahead (Scheduler.schedule_ahead)."""
+        return bool(self.seqs) and all(s.num_tokens == 1 and not s.num_prompt_tokens for s in self.seqs)
+
 
 @dataclass
 class TokenEvent:

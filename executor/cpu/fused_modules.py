@@ -116,9 +116,7 @@ class FusedMLP(torch.nn.Module):
         if x.dim() == 2:  # the lean forward's [T, H]
             if x.shape[0] <= packed_linear.Q4_ROWS_MAX_ROWS and self.packed_rows is not None:
                 return _fused().amx_q4_rows_linear(x.contiguous(), self.packed_rows, 2 * self.inter, self.inter)
-            packed = self.packed_gate_up
-            if x.shape[0] <= packed_linear.AVX512_BLOCKS_MAX_ROWS and self.packed_blocks is not None:
-                packed = self.packed_blocks
+            packed = packed_linear.blocks_or_tiles(self.packed_gate_up, self.packed_blocks, x.shape[0])
             return self._gate_up_silu(x.contiguous(), packed, self.inter, self.activation)
         out = self._gate_up_silu(
             x.reshape(-1, x.shape[-1]).contiguous(), self.packed_gate_up, self.inter, self.activation

@@ -151,6 +151,12 @@ def packed_kind(packed: torch.Tensor) -> str | None:
     return _TILE_KIND.get(packed.shape[-1]) if packed.dtype == torch.uint8 else None
 
 
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[N, K] 4-bit values from a Q4 tensor's [N, blocks, 16] bytes: a
+    block's low nibbles are its weights 0..15, the high ones 16..31."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(qs.shape[0], -1)
+
+
 def _blocks(tensor) -> BlockWeight | None:
     """A gguf ReaderTensor of type Q4_0, Q4_1 or Q8_0 as a BlockWeight, else
     None. Q4_0 (w = d * (q - 8)) becomes Q4_1 with m = -8d: d * q and 8d are
@@ -163,8 +169,7 @@ def _blocks(tensor) -> BlockWeight | None:
     n = raw.shape[0]
     if kind == "q4_0":
         b = raw.view(n, -1, 18)
-        qs = b[..., 2:]
-        q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, -1)  # low nibbles: k 0..15, high: 16..31
+        q = _nibbles(b[..., 2:])
         d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
         m = (-8 * d.float()).half()
         if not torch.equal(m.float(), -8 * d.float()):
@@ -172,8 +177,7 @@ def _blocks(tensor) -> BlockWeight | None:
         return BlockWeight("q4_1", q, d, m)
     if kind == "q4_1":
         b = raw.view(n, -1, 20)
-        qs = b[..., 4:]
-        q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, -1)  # low nibbles: k 0..15, high: 16..31
+        q = _nibbles(b[..., 4:])
         return BlockWeight(
             kind,
             q,

@@ -64,6 +64,12 @@ Q4_ROWS_MAX_ROWS = 32
 AVX512_BLOCKS_MAX_ROWS = 4
 
 
+def blocks_or_tiles(tiles: torch.Tensor, blocks: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """What avx512_linear (and its gate|up twin) reads for `rows` rows: a
+    layer's Q4_1 blocks up to AVX512_BLOCKS_MAX_ROWS, else its bf16 tiles."""
+    return blocks if blocks is not None and rows <= AVX512_BLOCKS_MAX_ROWS else tiles
+
+
 def _fused():
     try:
         import native._fused as fused
@@ -179,13 +185,11 @@ class PackedLinear(torch.nn.Module):
                 return "amx_q4_rows_linear"
             return "amx_linear" if rows <= AMX_MAX_ROWS else "F.linear"
         if self._avx512 is not None:
-            return "avx512_linear-q4_1" if self._small_blocks(rows) else "avx512_linear"
+            blocks = blocks_or_tiles(self.packed, self.packed_blocks, rows) is not self.packed
+            return "avx512_linear-q4_1" if blocks else "avx512_linear"
         if self._avx2_f32 is not None:
             return "avx2_f32_linear"
         return "oneDNN prepacked"
-
-    def _small_blocks(self, rows: int) -> bool:
-        return self.packed_blocks is not None and rows <= AVX512_BLOCKS_MAX_ROWS
 
     def plain_weight(self) -> torch.Tensor:
         """The [out_features, in_features] weight: the model's tensor, or for
@@ -214,7 +218,7 @@ class PackedLinear(torch.nn.Module):
             else:
                 out = torch.nn.functional.linear(x2, self.weight, self.bias)
         elif self._avx512 is not None:
-            packed = self.packed_blocks if self._small_blocks(rows) else self.packed
+            packed = blocks_or_tiles(self.packed, self.packed_blocks, rows)
             out = self._avx512(x2.contiguous(), packed, self.out_features, self.bias)
         elif self._avx2_f32 is not None:
             out = self._avx2_f32(x2.contiguous(), self.packed, self.out_features, self.bias)
