@@ -166,9 +166,10 @@ CB_AVX512BF16 __attribute__((always_inline)) inline void dots(__m512 (&acc)[R][N
 
 // Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV) straight from
 // their GGUF blocks (Q4 ? Q4_1 : Q8_0): each k-pair's weight vector is
-// expanded in registers, with dequant_tile's arithmetic (so to the same bf16
-// values), and goes into the dot products without a store. For decode-sized
-// M the expansion is then the only work besides reading the blocks.
+// expanded in registers by dequant_tile's own row functions (q4_row /
+// q8_row, so to the same bf16 values) and goes into the dot products
+// without a store. For decode-sized M the expansion is then the only work
+// besides reading the blocks.
 template <int R, int NV, bool Q4>
 CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, int64_t kblocks, int64_t tb, int64_t m0,
                            int64_t nb) {
@@ -178,41 +179,27 @@ CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, i
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   const uint16_t* x = a.x + m0 * a.K;
-  const __m512i lo = _mm512_load_si512(gguf_tiles::kLowFeatures);
-  const __m512i hi = _mm512_load_si512(gguf_tiles::kHighFeatures);
-  const __m512 q16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const gguf_tiles::Fmt fmt = Q4 ? gguf_tiles::Fmt::kQ4_1 : gguf_tiles::Fmt::kQ8_0;
+  const __m512 q16 = gguf_tiles::q4_table();
   for (int64_t kb = 0; kb < kblocks; ++kb) {
     const uint8_t* t[NV];
-    __m512 dl[NV], dh[NV], ml[NV], mh[NV];
+    gguf_tiles::TileScales sc[NV];
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) {
       t[v] = src + gguf_tiles::block_tile_index(nb + v, kb, nblocks, kblocks) * tb;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + (Q4 ? 256 : 512))));
-      dl[v] = _mm512_permutexvar_ps(lo, d);
-      dh[v] = _mm512_permutexvar_ps(hi, d);
-      if (Q4) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + 288)));
-        ml[v] = _mm512_permutexvar_ps(lo, m);
-        mh[v] = _mm512_permutexvar_ps(hi, m);
-      }
+      sc[v] = gguf_tiles::tile_scales(fmt, t[v]);
     }
     const int64_t p0 = kb * (kBlockK / 2);
     if (Q4) {
-      for (int g = 0; g < 4; ++g) {  // k-pair 4g + j: byte j of each lane (low nibble: words 0..15)
+      for (int g = 0; g < 4; ++g) {  // k-pair 4g + j: byte j of each lane of group g
         __m512i gv[NV];
 #pragma GCC unroll 2
         for (int v = 0; v < NV; ++v) gv[v] = _mm512_loadu_si512(t[v] + 64 * g);
-#define CB_Q4_PAIR(j)                                                                                       \
-  do {                                                                                                      \
-    __m512bh wv[NV];                                                                                        \
-    for (int v = 0; v < NV; ++v) {                                                                          \
-      const __m512 lo_w =                                                                                   \
-          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(gv[v], 8 * (j)), q16), dl[v], ml[v]);     \
-      const __m512 hi_w =                                                                                   \
-          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(gv[v], 8 * (j) + 4), q16), dh[v], mh[v]); \
-      wv[v] = _mm512_cvtne2ps_pbh(hi_w, lo_w);                                                              \
-    }                                                                                                       \
-    dots<R, NV>(acc, wv, x, a.K, p0 + 4 * g + (j));                                                         \
+#define CB_Q4_PAIR(j)                                                              \
+  do {                                                                             \
+    __m512bh wv[NV];                                                               \
+    for (int v = 0; v < NV; ++v) wv[v] = gguf_tiles::q4_row<j>(gv[v], q16, sc[v]); \
+    dots<R, NV>(acc, wv, x, a.K, p0 + 4 * g + (j));                                \
   } while (0)
         CB_Q4_PAIR(0);
         CB_Q4_PAIR(1);
@@ -222,15 +209,10 @@ CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, i
       }
     } else {
 #pragma GCC unroll 2
-      for (int j = 0; j < 16; ++j) {  // k-pair j: 16 int8 for words 0..15, then 16 for words 16..31
+      for (int j = 0; j < 16; ++j) {  // k-pair j: the tile's 32 bytes at 32 j
         __m512bh wv[NV];
 #pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) {
-          const __m128i* q = reinterpret_cast<const __m128i*>(t[v] + 32 * j);
-          const __m512 lo_w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dl[v]);
-          const __m512 hi_w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dh[v]);
-          wv[v] = _mm512_cvtne2ps_pbh(hi_w, lo_w);
-        }
+        for (int v = 0; v < NV; ++v) wv[v] = gguf_tiles::q8_row(t[v] + 32 * j, sc[v]);
         dots<R, NV>(acc, wv, x, a.K, p0 + j);
       }
     }

@@ -67,44 +67,67 @@ inline int64_t block_tile_index(int64_t nb, int64_t kb, int64_t nblocks, int64_t
 alignas(64) constexpr int32_t kLowFeatures[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 alignas(64) constexpr int32_t kHighFeatures[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
 
+// A tile's scales spread to the lanes of a row's two halves (words 0..15:
+// features 0..7, words 16..31: features 8..15); m only for Q4_1.
+struct TileScales {
+  __m512 dl, dh, ml, mh;
+};
+
+CB_AVX512BF16 inline TileScales tile_scales(Fmt fmt, const uint8_t* src) {
+  const __m512i lo = _mm512_load_si512(kLowFeatures);
+  const __m512i hi = _mm512_load_si512(kHighFeatures);
+  const bool q4 = fmt == Fmt::kQ4_1;
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (q4 ? 256 : 512))));
+  TileScales s{_mm512_permutexvar_ps(lo, d), _mm512_permutexvar_ps(hi, d), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  if (q4) {
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 288)));
+    s.ml = _mm512_permutexvar_ps(lo, m);
+    s.mh = _mm512_permutexvar_ps(hi, m);
+  }
+  return s;
+}
+
+// Row 4g + R of a Q4_1 tile, from `group` (its 64 bytes g: byte R of each
+// lane, low nibble for words 0..15), as bf16: d * q + m in fp32, then RNE.
+// q16 holds 0..15: q becomes fp32 by table lookup (vpermps reads only the
+// low 4 bits of each index).
+template <int R>
+CB_AVX512BF16 inline __m512bh q4_row(__m512i group, __m512 q16, const TileScales& s) {
+  const __m512 a = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(group, 8 * R), q16), s.dl, s.ml);
+  const __m512 b = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(group, 8 * R + 4), q16), s.dh, s.mh);
+  return _mm512_cvtne2ps_pbh(b, a);
+}
+
+// Row j of a Q8_0 tile (its 32 bytes at `row`: 16 int8 for words 0..15,
+// then 16 for words 16..31) as bf16: d * q in fp32, then RNE.
+CB_AVX512BF16 inline __m512bh q8_row(const uint8_t* row, const TileScales& s) {
+  const __m128i* q = reinterpret_cast<const __m128i*>(row);
+  const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), s.dl);
+  const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), s.dh);
+  return _mm512_cvtne2ps_pbh(b, a);
+}
+
+CB_AVX512BF16 inline __m512 q4_table() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+
 // One tile of bf16 weights [16 k-pairs][16 n][2] from its Q4_1 / Q8_0 block
 // form: d * q (+ m) in fp32, then bf16 RNE, as gguf-py and a bf16 cast round
 // them. d * q is exact in fp32 (an 11-bit fp16 significand times a 4- or
 // 8-bit integer), so one FMA rounds d * q + m exactly as a product then a sum do.
 CB_AVX512BF16 inline void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst) {
-  const __m512i lo = _mm512_load_si512(kLowFeatures);
-  const __m512i hi = _mm512_load_si512(kHighFeatures);
+  const TileScales s = tile_scales(fmt, src);
+  __m512i* rows = reinterpret_cast<__m512i*>(dst);  // row j: 32 words at dst + 32 j
   if (fmt == Fmt::kQ4_1) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 288)));
-    const __m512 dl = _mm512_permutexvar_ps(lo, d), dh = _mm512_permutexvar_ps(hi, d);
-    const __m512 ml = _mm512_permutexvar_ps(lo, m), mh = _mm512_permutexvar_ps(hi, m);
-    // q as fp32 by table lookup: vpermps reads only the low 4 bits of each index.
-    const __m512 q16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int g = 0; g < 4; ++g) {  // lane j of group g: byte r = row 4g + r (low nibble: words 0..15)
+    const __m512 q16 = q4_table();
+    for (int g = 0; g < 4; ++g) {
       const __m512i v = _mm512_loadu_si512(src + 64 * g);
-#define CB_Q4_ROW(r)                                                                                         \
-  do {                                                                                                       \
-    const __m512 a = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r)), q16), dl, ml);     \
-    const __m512 b = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (r) + 4), q16), dh, mh); \
-    _mm512_storeu_si512(dst + 32 * (4 * g + (r)), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));     \
-  } while (0)
-      CB_Q4_ROW(0);
-      CB_Q4_ROW(1);
-      CB_Q4_ROW(2);
-      CB_Q4_ROW(3);
-#undef CB_Q4_ROW
+      _mm512_storeu_si512(rows + 4 * g, reinterpret_cast<__m512i>(q4_row<0>(v, q16, s)));
+      _mm512_storeu_si512(rows + 4 * g + 1, reinterpret_cast<__m512i>(q4_row<1>(v, q16, s)));
+      _mm512_storeu_si512(rows + 4 * g + 2, reinterpret_cast<__m512i>(q4_row<2>(v, q16, s)));
+      _mm512_storeu_si512(rows + 4 * g + 3, reinterpret_cast<__m512i>(q4_row<3>(v, q16, s)));
     }
     return;
   }
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 512)));
-  const __m512 dl = _mm512_permutexvar_ps(lo, d), dh = _mm512_permutexvar_ps(hi, d);
-  for (int j = 0; j < 16; ++j) {  // row j: 16 bytes for words 0..15, then 16 for words 16..31
-    const __m128i* q = reinterpret_cast<const __m128i*>(src + 32 * j);
-    const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dl);
-    const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dh);
-    _mm512_storeu_si512(dst + 32 * j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
-  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(rows + j, reinterpret_cast<__m512i>(q8_row(src + 32 * j, s)));
 }
 #endif
 
