@@ -129,6 +129,9 @@ class ModelRunner:
 
             fuse_llama_blocks(model)
             prepack_linears(model)
+            from executor.cpu.gguf_weights import embed_from_blocks
+
+            embed_from_blocks(model)
         # A Llama-like model where the modules were fused: eight calls per layer instead of the
         # transformers layer code (executor/cpu/fast_forward.py); None elsewhere.
         self.lean = None

@@ -147,12 +147,33 @@ def _w32(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
     raise ValueError(f"{type(norm).__name__} is neither an fp32-weight nor a (1 + weight) RMSNorm")
 
 
+class SplitQkv(torch.nn.Module):
+    """q|k|v as three matmuls whose outputs are joined: for projections
+    served from GGUF blocks of different types (a Q4_K_M file's Q6_K v beside
+    Q4_K q and k), which one packed weight cannot hold; a bf16 fused copy
+    would take 3.5x their bytes."""
+
+    def __init__(self, projs: tuple[PackedLinear, ...]) -> None:
+        super().__init__()
+        self.projs = torch.nn.ModuleList(projs)
+
+    @property
+    def kernel(self) -> str:
+        return " | ".join(p.kernel for p in self.projs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.projs], dim=-1)
+
+
 def _fused_qkv(attn: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The q|k|v projection as one matmul: Phi-3's own qkv_proj, else q_proj,
-    k_proj and v_proj (and their biases) packed together."""
+    k_proj and v_proj (and their biases) packed together (SplitQkv where
+    they are GGUF blocks of different types)."""
     if hasattr(attn, "qkv_proj"):
         return attn.qkv_proj.forward
     projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    if all(isinstance(p, PackedLinear) and p.kernel.startswith("avx512-") for p in projs) and blocks_of(*projs) is None:
+        return SplitQkv(projs).forward
     has_bias = [p.bias is not None for p in projs]
     if any(has_bias) and not all(has_bias):
         raise ValueError("q/k/v projections disagree on bias")
@@ -238,7 +259,8 @@ class LeanLlamaForward:
         self.layers = [self._layer(cfg, i, layer) for i, layer in enumerate(inner.layers)]
         for key in self.rope_keys:  # a partial rotary turns the first `width` dims (Phi-4-mini)
             zero = torch.zeros(1, dtype=torch.long)
-            width = self._rotary_table(self.embed.weight[:1], zero, key)[0].shape[-1]
+            probe = torch.zeros(1, 1, dtype=self.embed.weight.dtype)  # the weight may be a meta tensor
+            width = self._rotary_table(probe, zero, key)[0].shape[-1]
             if width > self.head_dim or width % 2:
                 raise ValueError(f"rotary over {width} of {self.head_dim} head dims")
 

@@ -71,9 +71,9 @@ class FusedMLP(torch.nn.Module):
             fused = torch.nn.Linear(w.shape[1], 2 * self.inter, bias=False, dtype=w.dtype)
             with torch.no_grad():
                 fused.weight.copy_(w)
-            self.gate_up = PackedLinear(fused, batch_hint)
+            self.gate_up = PackedLinear(fused, batch_hint, keep_plain=False)
         else:
-            from executor.cpu.gguf_weights import blocks_of, packed_rows, packed_tiles, small_batch_blocks
+            from executor.cpu.gguf_weights import avx512_weights, blocks_of, for_amx, packed_rows, packed_tiles
 
             pack, self._gate_up_silu = ops
             # amx_pack_gate_up's row order: gate block j, then up block j (16
@@ -82,21 +82,21 @@ class FusedMLP(torch.nn.Module):
             blocks = blocks_of(*projs)
             if blocks is not None:
                 blocks = blocks.rows(order)
-            if packed_linear.amx_ops() is None:  # avx512_linear_silu_mul: the tiles, Q4_1 blocks for few rows
-                self.packed_gate_up = pack(w)
-                self.packed_blocks = small_batch_blocks(blocks, self.packed_gate_up, "gate_up")
+            if packed_linear.amx_ops() is None:  # avx512_linear_silu_mul: gguf_weights.avx512_weights
+                self.packed_gate_up, self.packed_blocks = avx512_weights(blocks, pack(w), "gate_up")
             else:
+                blocks = for_amx(blocks)
                 self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
                 if activation == "silu":  # amx_q4_rows_linear's epilogue is SiLU's
                     self.packed_rows = packed_rows(blocks, w[order], "gate_up")
         del w
-        self.down = down if isinstance(down, PackedLinear) else PackedLinear(down, batch_hint)
+        self.down = down if isinstance(down, PackedLinear) else PackedLinear(down, batch_hint, keep_plain=False)
         self._op = _fused().silu_and_mul
 
     @property
     def kernel(self) -> str:
         """What computes act(gate) * up: "amx_linear_silu_mul" (+ "-q4_1" / "-q8_0" over GGUF blocks),
-        "avx512_linear_silu_mul" ("+q4_1": over Q4_1 blocks for few rows)
+        "avx512_linear_silu_mul" ("+q4_1": over Q4_1 blocks for few rows; "-q4_k": over Q4_K blocks)
         or "<gate_up kernel> + silu_and_mul"; "(gelu_tanh)" after it for GELU."""
         suffix = "" if self.activation == "silu" else f" ({self.activation})"
         if self.gate_up is not None:

@@ -27,9 +27,14 @@ import torch
 
 _LOGGER = structlog.get_logger(__name__)
 
-BLOCK = 32  # weights per GGUF block (Q4_1, Q8_0)
+BLOCK = 32  # weights per GGUF block (Q4_1, Q8_0; a Q4_K sub-block)
+Q4K_SUB = 8  # 32-weight blocks per K-quant super-block
+Q6K_SCALES = 16  # scales per Q6_K super-block (one per 16 weights)
 TILE_N = 16  # output features per AMX weight tile
 ENV_SWITCH = "CBSERVE_GGUF_BLOCKS"
+# "1": on CPUs without AMX, Q4_1 / Q8_0 layers keep bf16 tiles beside their
+# blocks (faster above a few rows; avx512_weights) and the embedding its bf16 table.
+TILES_SWITCH = "CBSERVE_GGUF_TILES"
 # "0": Q4_1 layers keep amx_linear's layout and kernel instead of amx_q4_rows_linear's.
 ROWS_SWITCH = "CBSERVE_Q4_ROWS"
 
@@ -50,29 +55,43 @@ class BlockWeight:
     """A [N, K] weight as GGUF blocks, one q value per weight (unpacked so
     rows can be permuted and concatenated like the bf16 weight's)."""
 
-    kind: str  # "q4_1" | "q8_0"
-    q: torch.Tensor  # [N, K]: uint8 0..15 (q4_1) or int8 (q8_0)
-    d: torch.Tensor  # [N, K/32] fp16
-    m: torch.Tensor | None  # [N, K/32] fp16 (q4_1)
+    kind: str  # "q4_1" | "q8_0" | "q4_k" | "q6_k"
+    q: torch.Tensor  # [N, K]: uint8 0..15 (q4_1, q4_k) or int8 (q8_0; q6_k: -32..31)
+    d: torch.Tensor  # [N, K/32] fp16; q4_k, q6_k: [N, K/256], the super-block's d
+    m: torch.Tensor | None  # [N, K/32] fp16 (q4_1); q4_k: [N, K/256], dmin
+    # q4_k: [N, K/32] uint8, each block's 6-bit scale; q6_k: [N, K/16] int8, each 16 weights' scale
+    sc: torch.Tensor | None = None
+    mn: torch.Tensor | None = None  # q4_k: [N, K/32] uint8, each block's 6-bit min
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
+    def _fields(self) -> list[torch.Tensor | None]:
+        return [self.q, self.d, self.m, self.sc, self.mn]
+
     def rows(self, index: torch.Tensor) -> "BlockWeight":
-        return BlockWeight(self.kind, self.q[index], self.d[index], None if self.m is None else self.m[index])
+        return BlockWeight(self.kind, *[None if f is None else f[index] for f in self._fields()])
 
     @staticmethod
     def cat(parts: list["BlockWeight"]) -> "BlockWeight":
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot concatenate {sorted(kinds)} blocks")
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return BlockWeight(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+        fields = zip(*[p._fields() for p in parts])
+        return BlockWeight(parts[0].kind, *[None if f[0] is None else torch.cat(f) for f in fields])
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [N, K]: d * q (+ m), each operation rounded (as gguf-py computes it)."""
+        """fp32 [N, K]: d * q (+ m), each operation rounded (as gguf-py
+        computes it; Q4_K: (d * sc) * q - dmin * mn)."""
         n, k = self.shape
+        if self.kind == "q6_k":
+            scale = self.d.float().repeat_interleave(Q6K_SCALES, 1) * self.sc.float()
+            return scale.repeat_interleave(16, 1) * self.q.float()
+        if self.kind == "q4_k":
+            scale = self.d.float().repeat_interleave(Q4K_SUB, 1) * self.sc.float()
+            low = self.m.float().repeat_interleave(Q4K_SUB, 1) * self.mn.float()
+            return scale.repeat_interleave(BLOCK, 1) * self.q.float() - low.repeat_interleave(BLOCK, 1)
         w = self.d.float().repeat_interleave(BLOCK, 1) * self.q.float()
         if self.m is not None:
             w = w + self.m.float().repeat_interleave(BLOCK, 1)
@@ -95,18 +114,49 @@ class BlockWeight:
         n, k = self.shape
         if n % TILE_N or k % BLOCK:
             raise ValueError(f"[{n}, {k}] is not whole tiles of {TILE_N} x {BLOCK}")
+        if self.kind in ("q4_k", "q6_k"):
+            return self._pack_k_quant()
+        return _pair_major(self._with_scales(self._q_tiles()))
+
+    def _q_tiles(self) -> torch.Tensor:
+        """uint8 [N/16, K/32, q bytes]: each tile's q values as `pack` lays them out."""
+        n, k = self.shape
         nb, kb = n // TILE_N, k // BLOCK
         half = TILE_N // 2
         # [nb, 2 halves, 8 features, kb, 16 k-pairs, 2 parities] -> lanes (feature, parity) per half
         q = self.q.view(torch.uint8).view(nb, 2, half, kb, BLOCK // 2, 2).permute(0, 3, 4, 1, 2, 5)
         q = q.reshape(nb, kb, BLOCK // 2, 2, TILE_N)  # [nb, kb, k-pair, half, lane]
-        if self.kind == "q4_1":
-            rows = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, kb, 16 k-pairs, 16 lanes]
-            # k-pair 4g + r in byte r of lane j of group g.
-            qt = rows.view(nb, kb, 4, 4, TILE_N).transpose(3, 4).reshape(nb, kb, -1)
-        else:
-            qt = q.reshape(nb, kb, -1)
-        return _pair_major(self._with_scales(qt))
+        if self.kind == "q6_k":  # q + 32: its low 4 bits as Q4_1's, then the high 2
+            u = q.view(torch.int8).to(torch.int16) + 32
+            low, high = (u & 0xF).to(torch.uint8), (u >> 4).to(torch.int32)
+            # [nb, kb, 4 g, 4 R, 2 h, 16 lanes] -> lanes of 16 bits, bits 4R + 2h
+            shifts = 4 * torch.arange(4).view(4, 1, 1) + 2 * torch.arange(2).view(2, 1)
+            high = high.view(nb, kb, 4, 4, 2, TILE_N) << shifts
+            words = high.sum(dim=(3, 4)).to(torch.int16)  # [nb, kb, 4 g, 16 lanes]
+            return torch.cat([_nibble_rows(low), words.view(torch.uint8).reshape(nb, kb, -1)], dim=2)
+        if self.kind in ("q4_1", "q4_k"):
+            return _nibble_rows(q)
+        return q.reshape(nb, kb, -1)
+
+    def _pack_k_quant(self) -> torch.Tensor:
+        """uint8 [N/16, K/256, tile bytes], one tile per super-block of 16
+        features (gguf_tiles.h), pair-major as `pack`. Q4_K (2368 bytes):
+        its 8 k-blocks' q bytes in Q4_1's tile layout, then d [16] and
+        dmin [16] fp16, then sc [8][16] and mn [8][16] uint8. Q6_K (3360):
+        per k-block the low 4 bits of q + 32 in Q4_1's layout and their high
+        2 bits (_q_tiles), then d [16] fp16, then sc [16][16] int8."""
+        n, k = self.shape
+        nb, sb = n // TILE_N, k // (BLOCK * Q4K_SUB)
+        qt = self._q_tiles().reshape(nb, sb, -1)
+
+        def per_feature(t: torch.Tensor, per_tile: int) -> torch.Tensor:  # [N, sb * per_tile] -> [nb, sb, bytes]
+            t = t.view(nb, TILE_N, sb, per_tile).permute(0, 2, 3, 1).contiguous()
+            return t.view(torch.uint8).reshape(nb, sb, -1)
+
+        if self.kind == "q6_k":
+            return _pair_major(torch.cat([qt, per_feature(self.d, 1), per_feature(self.sc, Q6K_SCALES)], dim=2))
+        parts = [qt, per_feature(self.d, 1), per_feature(self.m, 1), per_feature(self.sc, Q4K_SUB)]
+        return _pair_major(torch.cat(parts + [per_feature(self.mn, Q4K_SUB)], dim=2))
 
     def pack_rows(self) -> torch.Tensor | None:
         """uint8 [N/32, K/32, 2, 320], the feature-major layout
@@ -133,6 +183,15 @@ class BlockWeight:
         return torch.cat([qt] + st, dim=2)
 
 
+def _nibble_rows(q: torch.Tensor) -> torch.Tensor:
+    """[nb, kb, 16 k-pairs, 2 halves, 16 lanes] 4-bit values -> [nb, kb, 256]
+    bytes: k-pair 4g + r in byte r of lane j of group g, the first half in the
+    low nibble."""
+    nb, kb = q.shape[:2]
+    rows = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, kb, 16 k-pairs, 16 lanes]
+    return rows.view(nb, kb, 4, 4, TILE_N).transpose(3, 4).reshape(nb, kb, -1)
+
+
 def _pair_major(tiles: torch.Tensor) -> torch.Tensor:
     """Tiles [nb, kb, bytes] stored pair-major: column blocks 2p and 2p + 1
     alternate k-block by k-block, an odd last block follows alone."""
@@ -143,11 +202,11 @@ def _pair_major(tiles: torch.Tensor) -> torch.Tensor:
 
 
 # Bytes of one packed tile (BlockWeight.pack) -> the block kind it holds.
-_TILE_KIND = {320: "q4_1", 544: "q8_0"}
+_TILE_KIND = {320: "q4_1", 544: "q8_0", 2368: "q4_k", 3360: "q6_k"}
 
 
 def packed_kind(packed: torch.Tensor) -> str | None:
-    """ "q4_1" / "q8_0" for packed GGUF blocks, None for bf16 tiles."""
+    """ "q4_1" / "q8_0" / "q4_k" / "q6_k" for packed GGUF blocks, None for bf16 tiles."""
     return _TILE_KIND.get(packed.shape[-1]) if packed.dtype == torch.uint8 else None
 
 
@@ -188,7 +247,45 @@ def _blocks(tensor) -> BlockWeight | None:
         b = raw.view(n, -1, 34)
         q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
         return BlockWeight(kind, q, b[..., 0:2].contiguous().view(torch.float16)[..., 0], None)
+    if kind == "q4_k":
+        return _q4_k(raw.view(n, -1, 144))
+    if kind == "q6_k":
+        return _q6_k(raw.view(n, -1, 210))
     return None
+
+
+def _q4_k(b: torch.Tensor) -> BlockWeight:
+    """Q4_K super-blocks [N, K/256, 144 bytes] (fp16 d, fp16 dmin, 12 bytes
+    of 6-bit scales and mins, 128 bytes of 4-bit q) as a BlockWeight: q
+    chunk c's low nibbles are block 2c's 32 weights, its high ones block 2c + 1's;
+    scale bytes 0-3 / 4-7 hold blocks 0-3's sc / mn in their low 6 bits and
+    the top 2 bits of blocks 4-7's, bytes 8-11 their low 4 bits (gguf-py's get_scale_min)."""
+    n, sb = b.shape[:2]
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    dmin = b[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    lo_sc, lo_mn, high = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    sc = torch.cat([lo_sc & 0x3F, (high & 0x0F) | ((lo_sc >> 2) & 0x30)], dim=2).reshape(n, -1)
+    mn = torch.cat([lo_mn & 0x3F, (high >> 4) | ((lo_mn >> 2) & 0x30)], dim=2).reshape(n, -1)
+    qs = b[..., 16:].reshape(n, sb, 4, 1, 32)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=3).reshape(n, -1)
+    return BlockWeight("q4_k", q, d, dmin, sc.contiguous(), mn.contiguous())
+
+
+def _q6_k(b: torch.Tensor) -> BlockWeight:
+    """Q6_K super-blocks [N, K/256, 210 bytes] (128 bytes of low 4 bits,
+    64 of high 2 bits, 16 int8 scales, fp16 d) as a BlockWeight with
+    q = (low | high << 4) - 32: weight e of a super-block (h = e / 128,
+    r = e % 128) has its low bits in nibble r / 64 of byte 64 h + r % 64 and
+    its high bits in bit pair r / 32 of byte 32 h + r % 32 (gguf-py's Q6_K)."""
+    n, sb = b.shape[:2]
+    ql = b[..., :128].reshape(n, sb, 2, 1, 64)
+    qh = b[..., 128:192].reshape(n, sb, 2, 1, 32)
+    low = torch.cat([ql & 0xF, ql >> 4], dim=3).reshape(n, sb, 256)
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(n, sb, 256)
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, -1)
+    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
+    d = b[..., 208:210].contiguous().view(torch.float16)[..., 0]
+    return BlockWeight("q6_k", q, d, None, sc)
 
 
 def _unpermute(n_rows: int, n_head: int) -> torch.Tensor:
@@ -209,6 +306,8 @@ def read_blocks(gguf_path: str, config) -> dict[str, BlockWeight]:
         parts = t.name.split(".")
         if t.name == "token_embd.weight":
             name = "model.embed_tokens"
+        elif t.name == "output.weight":  # an untied LM head
+            name = "lm_head"
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] == "weight":
             name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
         else:
@@ -251,12 +350,12 @@ def attach(model: torch.nn.Module, gguf_path: str) -> int:
     blocks = read_blocks(gguf_path, model.config)
     modules = dict(model.named_modules())
     if getattr(model.config, "tie_word_embeddings", False) and "model.embed_tokens" in blocks:
-        blocks["lm_head"] = blocks["model.embed_tokens"]
+        blocks.setdefault("lm_head", blocks["model.embed_tokens"])
     n = 0
     for name, bw in blocks.items():
         mod = modules.get(name)
         if (
-            isinstance(mod, torch.nn.Linear)
+            isinstance(mod, (torch.nn.Linear, torch.nn.Embedding))
             and mod.weight.dtype == torch.bfloat16
             and tuple(mod.weight.shape) == bw.shape
             and bw.shape[0] % TILE_N == 0
@@ -303,6 +402,92 @@ def packed_tiles(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str
         return packed
     _LOGGER.warning("GGUF blocks do not expand to the loaded weights; serving bf16 tiles", layer=what)
     return bf16_tiles
+
+
+def for_amx(blocks: BlockWeight | None) -> BlockWeight | None:
+    """The blocks amx_linear reads (Q4_1, Q8_0), else None (K-quant layers
+    keep bf16 tiles on AMX CPUs: its passes step through tiles of one k-block
+    each, and a K-quant tile holds a super-block)."""
+    if blocks is None or blocks.kind in ("q4_1", "q8_0"):
+        return blocks
+    global _warned_amx
+    if not _warned_amx:
+        _warned_amx = True
+        _LOGGER.warning("amx_linear does not read K-quant blocks: those layers are expanded to bf16", kind=blocks.kind)
+    return None
+
+
+_warned_amx = False
+
+
+def avx512_weights(
+    blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What avx512_linear (CPUs without AMX) reads for a layer: (the weights
+    for any row count, Q4_1 blocks for few rows or None). A layer is served
+    from its blocks alone, no bf16 tiles beside them, so that a quantised
+    file's model takes about the file's size (bits a weight: Q4_1 5,
+    Q8_0 8.5, Q4_K 4.625, Q6_K 6.5625). With CBSERVE_GGUF_TILES=1 a Q4_1 layer
+    keeps the tiles, faster above AVX512_BLOCKS_MAX_ROWS rows, and its
+    blocks for fewer (packed_linear.py), and a Q8_0 layer the tiles alone
+    (its expansion is slower than their stream at any row count here)."""
+    if blocks is not None and (blocks.kind in ("q4_k", "q6_k") or not keep_tiles()):
+        return packed_tiles(blocks, bf16_tiles, what), None
+    return bf16_tiles, small_batch_blocks(blocks, bf16_tiles, what)
+
+
+def keep_tiles() -> bool:
+    return os.environ.get(TILES_SWITCH, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+class BlockEmbedding(torch.nn.Module):
+    """An embedding table kept as its GGUF blocks (packed tiles: a tied LM
+    head's own): a lookup expands the rows it needs (native gguf_rows), to
+    the bf16 values nn.Embedding would hold. `weight` is a meta tensor of
+    the table's shape and dtype."""
+
+    def __init__(self, packed: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.packed = packed
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = torch.empty(num_embeddings, embedding_dim, dtype=torch.bfloat16, device="meta")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        import native._fused as fused
+
+        flat = ids.reshape(-1)
+        return fused.gguf_rows(self.packed, flat).view(*ids.shape, self.embedding_dim)
+
+
+def embed_from_blocks(model: torch.nn.Module) -> bool:
+    """Serves a GGUF model's embedding from its blocks (BlockEmbedding) on
+    CPUs without AMX, where its linears are served from theirs: the tied LM
+    head's packed blocks where it has them (its bf16 weight, the table, is
+    then dropped), else the embedding's own. Returns whether it did."""
+    from executor.cpu import packed_linear
+
+    inner = getattr(model, "model", None)
+    emb = getattr(inner, "embed_tokens", None)
+    blocks = getattr(emb, "cbserve_blocks", None)
+    if blocks is None or keep_tiles() or not enabled() or packed_linear.avx512_ops() is None:
+        return False
+    head = getattr(model, "lm_head", None)
+    tied = isinstance(head, packed_linear.PackedLinear) and head.weight is emb.weight
+    if tied and packed_kind(head.packed) is not None:
+        packed = head.packed
+    else:
+        import native._fused as fused
+
+        tiles = fused.amx_pack_weight(emb.weight.detach())
+        packed = packed_tiles(blocks, tiles, "embedding")
+        if packed is tiles:
+            return False
+    inner.embed_tokens = BlockEmbedding(packed, emb.num_embeddings, emb.embedding_dim)
+    if tied:  # the table was the head's plain weight too; plain_weight() unpacks the blocks
+        del head.weight
+        head.weight = torch.empty(emb.weight.shape, dtype=emb.weight.dtype, device="meta")
+    return True
 
 
 def small_batch_blocks(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str) -> torch.Tensor | None:

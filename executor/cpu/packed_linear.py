@@ -131,24 +131,23 @@ class PackedLinear(torch.nn.Module):
         self.packed_rows = None
         self.packed_blocks = None  # avx512_linear's Q4_1 blocks for <= AVX512_BLOCKS_MAX_ROWS rows
         if amx is not None:
-            from executor.cpu.gguf_weights import blocks_of, packed_rows, packed_tiles
+            from executor.cpu.gguf_weights import blocks_of, for_amx, packed_rows, packed_tiles
 
             pack, self._amx = amx
             # A GGUF layer's 4/8-bit blocks where they expand to exactly these
             # weights; kept for the lean forward's fused q|k|v (fast_forward.py).
             self.cbserve_blocks = blocks_of(linear)
-            self.packed = packed_tiles(self.cbserve_blocks, pack(w), "linear")
+            self.packed = packed_tiles(for_amx(self.cbserve_blocks), pack(w), "linear")
             if self.bias is None:
                 self.packed_rows = packed_rows(self.cbserve_blocks, w, "linear")
             self._amx_argmax = _fused().amx_linear_argmax  # amx_ops() checked the CPU
         elif avx512 is not None:
-            from executor.cpu.gguf_weights import blocks_of, small_batch_blocks
+            from executor.cpu.gguf_weights import avx512_weights, blocks_of
 
             pack, self._avx512 = avx512
             self.cbserve_blocks = blocks_of(linear)  # as on AMX: kept for the fused q|k|v
-            self.packed = pack(w)
-            self.packed_blocks = small_batch_blocks(self.cbserve_blocks, self.packed, "linear")
-            if not keep_plain:  # avx512_linear takes any row count: the tiles are the weight
+            self.packed, self.packed_blocks = avx512_weights(self.cbserve_blocks, pack(w), "linear")
+            if not keep_plain:  # avx512_linear takes any row count: the tiles (or blocks) are the weight
                 del self.weight
                 self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
         else:
@@ -166,13 +165,18 @@ class PackedLinear(torch.nn.Module):
     def kernel(self) -> str:
         """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
         blocks), "avx512" ("avx512+q4_1": also over Q4_1 blocks for small
-        batches), "avx2_f32" or "onednn"."""
+        batches; "avx512-q4_k": over Q4_K blocks alone), "avx2_f32" or "onednn"."""
         if self._amx is not None:
             from executor.cpu.gguf_weights import packed_kind
 
             kind = packed_kind(self.packed)
             return "amx" if kind is None else f"amx-{kind}"
         if self._avx512 is not None:
+            from executor.cpu.gguf_weights import packed_kind
+
+            kind = packed_kind(self.packed)
+            if kind is not None:
+                return f"avx512-{kind}"
             return "avx512" if self.packed_blocks is None else "avx512+q4_1"
         if self._avx2_f32 is not None:
             return "avx2_f32"
@@ -185,8 +189,10 @@ class PackedLinear(torch.nn.Module):
                 return "amx_q4_rows_linear"
             return "amx_linear" if rows <= AMX_MAX_ROWS else "F.linear"
         if self._avx512 is not None:
-            blocks = blocks_or_tiles(self.packed, self.packed_blocks, rows) is not self.packed
-            return "avx512_linear-q4_1" if blocks else "avx512_linear"
+            from executor.cpu.gguf_weights import packed_kind
+
+            kind = packed_kind(blocks_or_tiles(self.packed, self.packed_blocks, rows))
+            return "avx512_linear" if kind is None else f"avx512_linear-{kind}"
         if self._avx2_f32 is not None:
             return "avx2_f32_linear"
         return "oneDNN prepacked"
@@ -197,9 +203,10 @@ class PackedLinear(torch.nn.Module):
         (exact: packing only moves values)."""
         if self.weight.device.type != "meta":
             return self.weight.detach()
-        if self._avx512 is not None:  # bf16 tiles [N/16, K/32, 16 k-pairs, 16 n, 2]
-            nb, kb = self.packed.shape[:2]
-            rows = self.packed.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
+        if self._avx512 is not None:  # bf16 tiles [N/16, K/32, 16 k-pairs, 16 n, 2], or blocks expanding to them
+            tiles = self.packed if self.packed.dtype == torch.bfloat16 else _fused().amx_dequant(self.packed)
+            nb, kb = tiles.shape[:2]
+            rows = tiles.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
             return rows[: self.out_features, : self.in_features].clone()
         if self._avx2_f32 is None:
             raise ValueError("the plain weight of a oneDNN-packed fp32 layer is gone")

@@ -1,7 +1,10 @@
 """A GGUF file quantised in the test with the `gguf` package (Q4_0, Q4_1,
-Q8_0 projections) is served from its blocks where the kernels read them: on
-AMX CPUs every type, on other AVX512-BF16 CPUs Q4_0 / Q4_1 for small batches
-(Q8_0 keeps the bf16 tiles there, docs/native.md). The runner's greedy tokens
+Q8_0 projections; Q4_K, Q6_K and a Q4_K_M mix of the two by the test
+writer's own quantisers, as gguf-py cannot write them) is served from its
+blocks where the kernels read them: on AMX CPUs Q4_0 / Q4_1 / Q8_0, on other
+AVX512-BF16 CPUs every type at every batch size, from the blocks alone (with
+CBSERVE_GGUF_TILES=1, Q4_0 / Q4_1 for small batches beside the bf16 tiles and
+Q8_0 the tiles alone, docs/native.md). The runner's greedy tokens
 and hidden states equal, bit for bit, those of the same file served from the
 bf16 weights transformers dequantises it to (`CBSERVE_GGUF_BLOCKS=0`), and
 those dequantised weights are gguf-py's own."""
@@ -27,7 +30,8 @@ def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(11)
-    cfg = LlamaConfig(**small(num_hidden_layers=2, head_dim=32, max_position_embeddings=512))
+    # Every projection's K a multiple of 256, a Q4_K super-block.
+    cfg = LlamaConfig(**small(num_hidden_layers=2, hidden_size=256, intermediate_size=512, max_position_embeddings=512))
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -44,12 +48,16 @@ def _hidden_and_tokens(runner: ModelRunner, prompts, steps):
     return greedy(runner, prompts, steps), hidden
 
 
-@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
-def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, monkeypatch, model, quant):
+@pytest.mark.parametrize(
+    "quant,tiles",
+    [(q, "0") for q in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M")] + [("Q4_1", "1"), ("Q8_0", "1")],
+)
+def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, monkeypatch, model, quant, tiles):
     import gguf
     from gguf.quants import dequantize
 
     monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(gguf_weights.TILES_SWITCH, tiles)
     path = tmp_path / f"tiny-{quant}.gguf"
     write_gguf(model, str(path), quant=quant)
     source = model_source.resolve(str(path))
@@ -63,8 +71,21 @@ def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, mo
     prompts = [list(range(5, 45)), [7, 8, 9]]  # a prefill over the tiles, then decode steps of 2 rows
     runner = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
     qkv = runner.lean.layers[0].qkv.__self__
-    if gguf_weights.packed_kind(qkv.packed) is None:  # no AMX: the tiles, the blocks for small batches
+    mlp = runner.model.model.layers[0].mlp
+    amx = qkv.kernel.startswith("amx")
+    k_quant = quant.startswith(("Q4_K", "Q6_K"))
+    beside = tiles == "1" and not k_quant  # CBSERVE_GGUF_TILES=1: bf16 tiles beside the blocks
+    if not amx and quant == "Q4_K_M":  # v (Q6_K) apart from q and k (Q4_K): no bf16 copy to fuse them
+        assert qkv.kernel == "avx512-q4_k | avx512-q4_k | avx512-q6_k"
+        assert mlp.kernel == "avx512_linear_silu_mul-q4_k" and mlp.down.kernel == "avx512-q6_k"
+    elif not amx and not beside:  # the blocks alone, at every batch size
+        kind = {"Q4_0": "q4_1"}.get(quant, quant.lower())
+        assert qkv.kernel == f"avx512-{kind}" and qkv.kernel_for(64) == f"avx512_linear-{kind}"
+        assert mlp.kernel == f"avx512_linear_silu_mul-{kind}" and mlp.down.kernel == f"avx512-{kind}"
+    elif not amx:  # the tiles, the blocks for small batches
         assert qkv.kernel_for(2) == "avx512_linear-q4_1" if quant != "Q8_0" else qkv.kernel == "avx512"
+    elif k_quant:  # amx_linear does not read the K-quants
+        assert qkv.kernel == "amx"
     else:
         assert qkv.kernel == ("amx-q8_0" if quant == "Q8_0" else "amx-q4_1")
     modules = {id(m): m for m in [*runner.model.modules(), *runner._lean_modules()]}.values()
@@ -78,8 +99,10 @@ def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, mo
     want = _hidden_and_tokens(plain, prompts, 6)
     # weight_bytes (the "executor ready" line's weights_mb) counts what each holds:
     # without AMX the Q4 blocks beside the tiles, with AMX the blocks instead of them.
-    if gguf_weights.packed_kind(qkv.packed) is None:
+    if not amx and beside:
         assert weight_bytes - plain.weight_bytes == blocks_bytes and (blocks_bytes > 0) == (quant != "Q8_0")
+    elif k_quant and amx:
+        assert weight_bytes == plain.weight_bytes
     else:
         assert weight_bytes < plain.weight_bytes
     assert got[0] == want[0]
@@ -87,3 +110,47 @@ def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, mo
     for g, w in zip(got[1], want[1]):
         assert torch.equal(g.view(torch.int16), w.view(torch.int16))
     assert np.isfinite(got[1][-1].float().numpy()).all()
+
+
+@pytest.mark.parametrize(
+    "quant,embeddings,tied",
+    [("Q4_1", "Q8_0", True), ("Q4_K_M", "Q6_K", False), ("Q4_K", "Q4_K", True)],
+)
+def test_a_quantised_file_is_served_in_about_its_own_size(tmp_path, monkeypatch, quant, embeddings, tied):
+    """Every weight quantised, the embedding too (SmolLM2's mix: Q4_1
+    projections, a tied Q8_0 embedding; a Q4_K_M-like mix with an untied Q6_K
+    head): on CPUs without AMX the embedding is looked up in its blocks (the
+    tied head's own), the weights take at most 1.15x the file's tensors, and
+    the tokens and hidden states equal the bf16 expansion's bit for bit."""
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from executor.cpu.gguf_weights import BlockEmbedding
+
+    torch.manual_seed(5)
+    cfg = small(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=272, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{quant}-{embeddings}.gguf"
+    write_gguf(model, str(path), quant=quant, embeddings=embeddings)
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    source = model_source.resolve(str(path))
+    runner = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
+    if runner.model.lm_head.kernel.startswith("amx"):
+        pytest.skip("AMX CPUs keep the bf16 embedding")
+    assert isinstance(runner.model.model.embed_tokens, BlockEmbedding)
+    assert runner.model.lm_head.kernel == f"avx512-{embeddings.lower()}"
+    if tied:  # one copy of the table: the head's blocks
+        assert runner.model.model.embed_tokens.packed is runner.model.lm_head.packed
+    assert runner.weight_bytes <= 1.15 * file_bytes, (runner.weight_bytes, file_bytes)
+    prompts = [list(range(5, 45)), [7, 8, 271]]
+    got = _hidden_and_tokens(runner, prompts, 6)
+    del runner
+    monkeypatch.setenv(gguf_weights.ENV_SWITCH, "0")
+    plain = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
+    assert type(plain.model.model.embed_tokens) is torch.nn.Embedding
+    assert plain.weight_bytes > 2.5 * file_bytes  # the bf16 expansion
+    want = _hidden_and_tokens(plain, prompts, 6)
+    assert got[0] == want[0]
+    for g, w in zip(got[1], want[1]):
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16))

@@ -19,6 +19,17 @@ def _blocks(kind: str, n: int, k: int, seed: int) -> BlockWeight:
     g = torch.Generator().manual_seed(seed)
     # Scales over many binades (and minimums of both signs) so that d * q + m
     # lands on bf16 rounding ties and carries somewhere.
+    if kind == "q4_k":  # d, dmin per 256 weights; 6-bit sc, mn per 32
+        sb = k // 256
+        d, dmin = (torch.rand(2, n, sb, generator=g) * 2.0 ** torch.randint(-14, 0, (2, n, sb), generator=g)).half()
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        sc, mn = torch.randint(0, 64, (2, n, k // 32), generator=g, dtype=torch.uint8)
+        return BlockWeight(kind, q, d, dmin, sc, mn)
+    if kind == "q6_k":  # d per 256 weights; int8 scales per 16, q in -32..31
+        d = (torch.rand(n, k // 256, generator=g) * 2.0 ** torch.randint(-14, 0, (n, k // 256), generator=g)).half()
+        q = torch.randint(-32, 32, (n, k), generator=g).to(torch.int8)
+        sc = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
+        return BlockWeight(kind, q, d, None, sc)
     d = (torch.rand(n, k // 32, generator=g) * 2.0 ** torch.randint(-14, 2, (n, k // 32), generator=g)).half()
     if kind == "q4_1":
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -42,15 +53,49 @@ def linear_case(kind: str, m: int, n: int, seed: int, k: int = 576):
     return bw, bw.pack(), fused.amx_pack_weight(bw.dequantize().bfloat16()), x, bias
 
 
+_SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]
+_Q4K_SHAPES = [(16, 256), (48, 512), (960, 768), (576, 1536)]  # K in whole 256-weight super-blocks
+
+
 @pytest.mark.skipif(not fused.avx512_linear_supported(), reason="needs an AVX512-BF16 CPU")
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize(
+    "kind,n,k",
+    [(kind, *s) for kind in ("q4_1", "q8_0") for s in _SHAPES]
+    + [(kind, *s) for kind in ("q4_k", "q6_k") for s in _Q4K_SHAPES],
+)
 def test_expanded_tiles_equal_the_packed_bf16_weight(kind, n, k):
     bw = _blocks(kind, n, k, seed=n + k)
     w = bw.dequantize().bfloat16()  # fp32 d * q (+ m), then RNE: what transformers + .bfloat16() give
     packed = bw.pack()
-    assert packed.dtype == torch.uint8 and packed.shape == (n // 16, k // 32, 320 if kind == "q4_1" else 544)
+    tiles = {"q4_1": (k // 32, 320), "q8_0": (k // 32, 544), "q4_k": (k // 256, 2368), "q6_k": (k // 256, 3360)}[kind]
+    assert packed.dtype == torch.uint8 and packed.shape == (n // 16, *tiles)
     assert torch.equal(_bits(fused.amx_dequant(packed)), _bits(fused.amx_pack_weight(w)))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_blocks_read_from_a_file_dequantise_as_gguf_py(kind):
+    """The K-quant super-blocks of a tensor (bytes as llama.cpp writes them)
+    unpack to q and scales that give gguf-py's own fp32 weights, operation
+    for operation: Q4_K's d, dmin and 6-bit sc / mn, Q6_K's 4 + 2-bit q and
+    int8 scales."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from executor.cpu.gguf_weights import _q4_k, _q6_k
+    from tests.integration import gguf_writer
+
+    w = np.random.default_rng(3).standard_normal((48, 768)).astype(np.float32) * 0.05
+    raw = gguf_writer.quantize_q4_k(w) if kind == "Q4_K" else gguf_writer.quantize_q6_k(w)
+    want = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[kind]))
+    blocks = torch.from_numpy(raw).view(48, 3, -1)
+    bw = _q4_k(blocks) if kind == "Q4_K" else _q6_k(blocks)
+    assert torch.equal(bw.dequantize(), want)
+    if kind == "Q4_K":
+        assert (bw.sc > 31).any() and (bw.mn > 31).any()  # the scales' high bits are read too
+    else:
+        assert (bw.q < -16).any() and (bw.q > 15).any()  # q's high bits are read too
+    assert (want - torch.from_numpy(w)).abs().max() < 0.02  # and the quantiser fits the weights
 
 
 # Rows: one pass (the tiles expanded just before use: 1..32) and several

@@ -17,7 +17,7 @@
 // epilogue (SiLU or GELU-tanh) (weights from amx_pack_gate_up: gate block j, then up block j), as
 // amx_linear_silu_mul: the [M, 2I] projection is never written.
 //
-// The weights may also stay in a GGUF file's Q4_1 / Q8_0 blocks (uint8,
+// The weights may also stay in a GGUF file's Q4_1 / Q8_0 / Q4_K / Q6_K blocks (uint8,
 // packed by executor/cpu/gguf_weights.py as for amx_linear): run_blocks
 // expands them to the same bf16 tiles (gguf_tiles.h) a pair of feature blocks
 // at a time and runs the same loop, so the outputs equal the bf16 weights'.
@@ -165,13 +165,13 @@ CB_AVX512BF16 __attribute__((always_inline)) inline void dots(__m512 (&acc)[R][N
 }
 
 // Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV) straight from
-// their GGUF blocks (Q4 ? Q4_1 : Q8_0): each k-pair's weight vector is
+// their GGUF blocks (format F): each k-pair's weight vector is
 // expanded in registers by dequant_tile's own row functions (q4_row /
 // q8_row, so to the same bf16 values) and goes into the dot products
 // without a store. For decode-sized M the expansion is then the only work
 // besides reading the blocks.
-template <int R, int NV, bool Q4>
-CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, int64_t kblocks, int64_t tb, int64_t m0,
+template <int R, int NV, gguf_tiles::Fmt F>
+CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, int64_t kblocks, int64_t m0,
                            int64_t nb) {
   __m512 acc[R][NV];
 #pragma GCC unroll 8
@@ -179,18 +179,19 @@ CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, i
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   const uint16_t* x = a.x + m0 * a.K;
-  const gguf_tiles::Fmt fmt = Q4 ? gguf_tiles::Fmt::kQ4_1 : gguf_tiles::Fmt::kQ8_0;
   const __m512 q16 = gguf_tiles::q4_table();
   for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const uint8_t* tile[NV];
     const uint8_t* t[NV];
     gguf_tiles::TileScales sc[NV];
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) {
-      t[v] = src + gguf_tiles::block_tile_index(nb + v, kb, nblocks, kblocks) * tb;
-      sc[v] = gguf_tiles::tile_scales(fmt, t[v]);
+      tile[v] = gguf_tiles::tile_at(F, src, nb + v, kb, nblocks, kblocks);
+      t[v] = gguf_tiles::tile_q(F, tile[v], kb);
+      sc[v] = gguf_tiles::tile_scales(F, tile[v], kb);
     }
     const int64_t p0 = kb * (kBlockK / 2);
-    if (Q4) {
+    if (F == gguf_tiles::Fmt::kQ4_1 || F == gguf_tiles::Fmt::kQ4_K) {
       for (int g = 0; g < 4; ++g) {  // k-pair 4g + j: byte j of each lane of group g
         __m512i gv[NV];
 #pragma GCC unroll 2
@@ -207,6 +208,28 @@ CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, i
         CB_Q4_PAIR(3);
 #undef CB_Q4_PAIR
       }
+    } else if (F == gguf_tiles::Fmt::kQ6_K) {
+      for (int g = 0; g < 4; ++g) {
+        if (g == 2)  // k-pairs 8..15: the block's second 16 weights, their own scales
+          for (int v = 0; v < NV; ++v) sc[v] = gguf_tiles::tile_scales(F, tile[v], kb, 1);
+        __m512i gv[NV], hv[NV];
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) {
+          gv[v] = _mm512_loadu_si512(t[v] + 64 * g);
+          hv[v] = gguf_tiles::q6_high(t[v], g);
+        }
+#define CB_Q6_PAIR(j)                                                                \
+  do {                                                                               \
+    __m512bh wv[NV];                                                                 \
+    for (int v = 0; v < NV; ++v) wv[v] = gguf_tiles::q6_row<j>(gv[v], hv[v], sc[v]); \
+    dots<R, NV>(acc, wv, x, a.K, p0 + 4 * g + (j));                                  \
+  } while (0)
+        CB_Q6_PAIR(0);
+        CB_Q6_PAIR(1);
+        CB_Q6_PAIR(2);
+        CB_Q6_PAIR(3);
+#undef CB_Q6_PAIR
+      }
     } else {
 #pragma GCC unroll 2
       for (int j = 0; j < 16; ++j) {  // k-pair j: the tile's 32 bytes at 32 j
@@ -218,6 +241,35 @@ CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, i
     }
   }
   store_rows<R, NV>(a, acc, m0, nb);
+}
+
+// Up to kMR rows over blocks of format F: pairs of feature blocks per
+// thread, micro_q for each.
+template <gguf_tiles::Fmt F>
+void few_rows(const Args& a, const uint8_t* src, int64_t nblocks, int64_t kblocks) {
+  at::parallel_for(0, ceil_div(nblocks, 2), 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t nb = 2 * u;
+      const bool two = nb + 1 < nblocks;
+#define CB_MQ(R)                                         \
+  case R:                                                \
+    if (two)                                             \
+      micro_q<R, 2, F>(a, src, nblocks, kblocks, 0, nb); \
+    else                                                 \
+      micro_q<R, 1, F>(a, src, nblocks, kblocks, 0, nb); \
+    break;
+      switch (a.M) {
+        CB_MQ(1)
+        CB_MQ(2)
+        CB_MQ(3)
+        CB_MQ(4)
+        CB_MQ(5)
+        CB_MQ(6)
+        default: break;
+      }
+#undef CB_MQ
+    }
+  });
 }
 
 // Every row of x against feature blocks [nb, nb + NV), whose panels start at
@@ -296,39 +348,17 @@ void run_blocks(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, 
   Args a = make_args(x, N, bias, y, silu, act);
   a.prefetch = false;
   const gguf_tiles::Fmt fmt = gguf_tiles::block_fmt(packed);
-  const int64_t nblocks = packed.size(0), kblocks = packed.size(1), tb = packed.size(2);
+  const int64_t nblocks = packed.size(0), kblocks = packed.size(1) * gguf_tiles::kblocks_per_tile(fmt);
   a.panel = kblocks * kTileElems;
   if (a.M == 0) return;
   const uint8_t* src = packed.data_ptr<uint8_t>();
   if (a.M <= kMR) {  // decode sizes: expand in registers, one row block
-    const bool q4 = fmt == gguf_tiles::Fmt::kQ4_1;
-    at::parallel_for(0, ceil_div(nblocks, 2), 1, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t nb = 2 * u;
-        const bool two = nb + 1 < nblocks;
-#define CB_MQ(R)                                                 \
-  case R:                                                        \
-    if (q4 && two)                                               \
-      micro_q<R, 2, true>(a, src, nblocks, kblocks, tb, 0, nb);  \
-    else if (q4)                                                 \
-      micro_q<R, 1, true>(a, src, nblocks, kblocks, tb, 0, nb);  \
-    else if (two)                                                \
-      micro_q<R, 2, false>(a, src, nblocks, kblocks, tb, 0, nb); \
-    else                                                         \
-      micro_q<R, 1, false>(a, src, nblocks, kblocks, tb, 0, nb); \
-    break;
-        switch (a.M) {
-          CB_MQ(1)
-          CB_MQ(2)
-          CB_MQ(3)
-          CB_MQ(4)
-          CB_MQ(5)
-          CB_MQ(6)
-          default: break;
-        }
-#undef CB_MQ
-      }
-    });
+    switch (fmt) {
+      case gguf_tiles::Fmt::kQ4_1: few_rows<gguf_tiles::Fmt::kQ4_1>(a, src, nblocks, kblocks); break;
+      case gguf_tiles::Fmt::kQ4_K: few_rows<gguf_tiles::Fmt::kQ4_K>(a, src, nblocks, kblocks); break;
+      case gguf_tiles::Fmt::kQ6_K: few_rows<gguf_tiles::Fmt::kQ6_K>(a, src, nblocks, kblocks); break;
+      default: few_rows<gguf_tiles::Fmt::kQ8_0>(a, src, nblocks, kblocks); break;
+    }
     return;
   }
   at::parallel_for(0, ceil_div(nblocks, 2), 1, [&](int64_t u0, int64_t u1) {
@@ -339,8 +369,8 @@ void run_blocks(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, 
       const int64_t nb = 2 * u, nv = std::min<int64_t>(2, nblocks - nb);
       for (int64_t v = 0; v < nv; ++v)
         for (int64_t kb = 0; kb < kblocks; ++kb)
-          gguf_tiles::dequant_tile(fmt, src + gguf_tiles::block_tile_index(nb + v, kb, nblocks, kblocks) * tb,
-                                   panels + v * a.panel + kb * kTileElems);
+          gguf_tiles::dequant_tile(fmt, gguf_tiles::tile_at(fmt, src, nb + v, kb, nblocks, kblocks),
+                                   panels + v * a.panel + kb * kTileElems, kb);
       if (nv == 2)
         all_rows<2>(a, panels, nb);
       else
