@@ -133,6 +133,39 @@ def export_gguf_checkpoint(source: ModelSource, dest: str, force: bool = False) 
     return dest
 
 
+# GGUF tensor types served under --dtype auto: plain floats, and the block
+# types the CPU kernels read (executor/cpu/gguf_weights.py). Any other would
+# be expanded to bf16 or fp32 (about 3.5x a 4-bit file's bytes) without a
+# word: it is refused instead, and an explicit --dtype expands it.
+GGUF_SERVED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+
+def check_gguf_types(source: ModelSource) -> None:
+    """ModelNotServable naming the first tensor of a GGUF file whose type
+    is not one of GGUF_SERVED_TYPES (a no-op for other sources, and for a
+    file that does not read: the loader says what is wrong with it)."""
+    if source.kind != "gguf":
+        return
+    from gguf import GGUFReader
+
+    try:
+        tensors = GGUFReader(os.path.join(source.path, source.gguf_file)).tensors
+    except Exception:  # noqa: BLE001  (gguf-py raises several kinds on a damaged file)
+        return
+    bad = [(t.name, t.tensor_type.name) for t in tensors if t.tensor_type.name not in GGUF_SERVED_TYPES]
+    if bad:
+        name, kind = bad[0]
+        more = (
+            f" (and {len(bad) - 1} more tensors of types {', '.join(sorted({k for _, k in bad}))})"
+            if len(bad) > 1
+            else ""
+        )
+        raise ModelNotServable(
+            f"{source.gguf_file}: tensor {name} is {kind}{more}, a GGUF type cbserve has no kernel for "
+            f"(it serves {', '.join(GGUF_SERVED_TYPES)}); --dtype bfloat16 or float32 serves it expanded to that type"
+        )
+
+
 def checkpoint_dir(source: ModelSource) -> str | None:
     """A HF directory holding the model's weights and tokenizer (None for tiny)."""
     if source.kind == "gguf":
@@ -302,12 +335,28 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device = t
 
 
 def _attach_gguf_blocks(model: torch.nn.Module, source: ModelSource, dtype: torch.dtype, device: torch.device) -> int:
-    """bf16 on an AMX CPU from a GGUF: its 4/8-bit blocks go with the linear
-    layers for the kernels to stream (executor/cpu/gguf_weights.py); 0 elsewhere."""
-    if source.kind != "gguf" or dtype != torch.bfloat16 or device.type != "cpu":
+    """bf16 on an AVX512-BF16 CPU from a GGUF: its blocks go with the linear
+    layers for the kernels to stream (executor/cpu/gguf_weights.py); 0
+    elsewhere, with a warning saying why the weights are expanded."""
+    if source.kind != "gguf":
         return 0
     from executor.cpu import gguf_weights
 
-    if not (gguf_weights.enabled() and gguf_weights.supported()):
-        return 0
-    return gguf_weights.attach(model, os.path.join(source.path, source.gguf_file))
+    why = None
+    if device.type != "cpu":
+        why = "no GPU kernel reads GGUF blocks"
+    elif dtype != torch.bfloat16:
+        why = f"served in {str(dtype).removeprefix('torch.')}"
+    elif not gguf_weights.enabled():
+        why = f"{gguf_weights.ENV_SWITCH}=0"
+    elif not gguf_weights.supported():
+        why = "the block kernels need an AVX512-BF16 CPU"
+    path = os.path.join(source.path, source.gguf_file)
+    if why is None:
+        return gguf_weights.attach(model, path)
+    from gguf import GGUFReader
+
+    if all(t.tensor_type.name in ("F32", "F16", "BF16") for t in GGUFReader(path).tensors):
+        return 0  # no blocks to keep
+    _LOGGER.warning("GGUF weights expanded from their blocks", reason=why, dtype=str(dtype).removeprefix("torch."))
+    return 0

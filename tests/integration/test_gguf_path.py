@@ -86,3 +86,40 @@ def _router_reads_the_converted_tokenizer(path, cache):
     ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert ids == ref(text, add_special_tokens=False)["input_ids"]
     assert not torch_imported
+
+
+def test_a_gguf_type_without_a_kernel_is_refused_unless_a_dtype_expands_it(tmp_path):
+    """Q5_0 has no block kernel: under --dtype auto the executor refuses the
+    file (exit 2, naming a tensor and its type) rather than expand it to bf16
+    without a word; --dtype bfloat16 asks for the expansion and serves it."""
+    import os
+    import subprocess
+    import sys
+
+    from executor import model_loader, model_source
+    from tests.conftest import REPO
+
+    path = tmp_path / "tiny-q5.gguf"
+    write_gguf(_model("llama"), str(path), quant="Q5_0")
+    env = {**os.environ, "CBSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "executor", "--model", str(path), "--device", "cpu"]
+    out = subprocess.run(
+        cmd + ["--listen", f"unix://{tmp_path}/e.sock"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-2000:]
+    assert "tensor blk.0.attn_q.weight is Q5_0 (and 13 more tensors of types Q5_0)" in text
+    assert "--dtype bfloat16" in text
+    source = model_source.resolve(str(path))
+    model_loader.check_gguf_types(model_source.resolve(str(_write(tmp_path, "Q4_K_M"))))  # the block types pass
+    model = model_loader.load_model(source, torch.bfloat16)  # what --dtype bfloat16 loads
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def _write(tmp_path, quant: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = small(num_hidden_layers=1, hidden_size=256, intermediate_size=512, max_position_embeddings=512)
+    path = tmp_path / f"tiny-{quant}.gguf"
+    write_gguf(LlamaForCausalLM(LlamaConfig(**cfg)), str(path), quant=quant)
+    return path
