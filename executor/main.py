@@ -34,6 +34,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
     p.add_argument(
+        "--quantization",
+        default="none",
+        help="none | int8: the projections as int8 weights, one scale per output channel (CPU, bf16)",
+    )
+    p.add_argument(
         "--device", default="auto", help="auto (the first CUDA GPU if torch sees one, else cpu) | cpu | cuda | cuda:N"
     )
     p.add_argument("--listen", default="unix:///tmp/cbserve-executor.sock", help="unix:///path or host:port")
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         device = model_loader.pick_device(args.device)
         dtype = model_loader.pick_dtype(args.dtype, device)
         kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype, str(device))
-        model = model_loader.load_model(source, dtype, device)
+        model = model_loader.load_model(source, dtype, device, args.quantization)
     except (ValueError, FileNotFoundError) as exc:  # ModelNotServable is a ValueError
         return _refused(exc)
     cfg = model.config

@@ -290,10 +290,15 @@ def _check_fits(path: str, dtype: torch.dtype, device: torch.device) -> None:
         )
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
-    """The causal LM in eval mode, on `device`, in `dtype`. ModelNotServable
-    where the checkpoint is not one or does not load."""
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device = torch.device("cpu"), quantization: str = "none"
+) -> torch.nn.Module:
+    """The causal LM in eval mode, on `device`, in `dtype`; with
+    quantization "int8", its projections as int8 weights
+    (executor/cpu/int8_weights.py). ModelNotServable where the checkpoint is
+    not one or does not load, or the quantization cannot be served."""
     t0 = time.perf_counter()
+    _check_quantization(source, dtype, device, quantization)
     if source.kind == "tiny":
         model = build_tiny(source, dtype)
     else:
@@ -323,6 +328,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device = t
     for p in model.parameters():
         p.requires_grad_(False)
     blocks = _attach_gguf_blocks(model, source, dtype, device)
+    int8_layers = 0
+    if quantization == "int8":
+        from executor.cpu import gguf_weights, int8_weights
+
+        int8_layers = int8_weights.quantize(model, attach=gguf_weights.enabled())
     _LOGGER.info(
         "model loaded",
         model=source.name,
@@ -330,8 +340,25 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device = t
         device=str(device),
         seconds=round(time.perf_counter() - t0, 2),
         gguf_block_layers=blocks,
+        int8_layers=int8_layers,
     )
     return model
+
+
+def _check_quantization(source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str) -> None:
+    """ModelNotServable for a --quantization the model or this machine cannot serve."""
+    from executor.cpu import gguf_weights, int8_weights
+
+    if quantization not in int8_weights.METHODS:
+        raise ModelNotServable(f"--quantization {quantization!r} is not one of {', '.join(int8_weights.METHODS)}")
+    if quantization == "none":
+        return
+    if source.kind == "gguf":
+        raise ModelNotServable(f"--quantization {quantization}: {source.gguf_file} is GGUF, quantized already")
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        raise ModelNotServable(f"--quantization {quantization} runs on the CPU in bfloat16 (not {device.type}, {dtype})")
+    if not gguf_weights.supported():
+        raise ModelNotServable(f"--quantization {quantization} needs the AVX512-BF16 block kernels; this CPU has none")
 
 
 def _attach_gguf_blocks(model: torch.nn.Module, source: ModelSource, dtype: torch.dtype, device: torch.device) -> int:

@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(serve)
     serve.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
     serve.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="int8: the executor serves a checkpoint's projections as int8 weights (per-channel scales; CPU, bf16)",
+    )
+    serve.add_argument(
         "--device",
         default="auto",
         help="executor device: auto (the first CUDA GPU if torch sees one, else cpu) | cpu | cuda | cuda:N",

@@ -113,6 +113,8 @@ def _executor_argv(args, e: ModelEntry, index: int, config_path: str | None) -> 
         e.spec,
         "--dtype",
         e.dtype or args.dtype,
+        "--quantization",
+        getattr(args, "quantization", "none"),
         "--device",
         e.device or args.device,
         "--listen",
