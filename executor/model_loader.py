@@ -356,7 +356,9 @@ def _check_quantization(source: ModelSource, dtype: torch.dtype, device: torch.d
     if source.kind == "gguf":
         raise ModelNotServable(f"--quantization {quantization}: {source.gguf_file} is GGUF, quantized already")
     if device.type != "cpu" or dtype != torch.bfloat16:
-        raise ModelNotServable(f"--quantization {quantization} runs on the CPU in bfloat16 (not {device.type}, {dtype})")
+        raise ModelNotServable(
+            f"--quantization {quantization} runs on the CPU in bfloat16 (not {device.type}, {dtype})"
+        )
     if not gguf_weights.supported():
         raise ModelNotServable(f"--quantization {quantization} needs the AVX512-BF16 block kernels; this CPU has none")
 

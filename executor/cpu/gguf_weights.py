@@ -32,9 +32,15 @@ Q4K_SUB = 8  # 32-weight blocks per K-quant super-block
 Q6K_SCALES = 16  # scales per Q6_K super-block (one per 16 weights)
 TILE_N = 16  # output features per AMX weight tile
 ENV_SWITCH = "CBSERVE_GGUF_BLOCKS"
-# "1": on CPUs without AMX, Q4_1 / Q8_0 layers keep bf16 tiles beside their
-# blocks (faster above a few rows; avx512_weights) and the embedding its bf16 table.
+# On CPUs without AMX, whether Q4_0 / Q4_1 / Q8_0 layers keep bf16 tiles
+# beside their blocks (faster above a few rows; avx512_weights) and the
+# embedding its bf16 table: "1" yes, "0" no, "auto" (unset) where the
+# model's bf16 tiles would take less than AUTO_TILES_MAX_BYTES.
 TILES_SWITCH = "CBSERVE_GGUF_TILES"
+# A model this small is bound by its step's overheads, not its weights'
+# memory (SmolLM2-135M: 270 MB of bf16 tiles, 94 MB of blocks); above it
+# (1B and up) the blocks alone keep the weights at about the file's size.
+AUTO_TILES_MAX_BYTES = 1 << 30
 # "0": Q4_1 layers keep amx_linear's layout and kernel instead of amx_q4_rows_linear's.
 ROWS_SWITCH = "CBSERVE_Q4_ROWS"
 
@@ -62,6 +68,7 @@ class BlockWeight:
     # q4_k: [N, K/32] uint8, each block's 6-bit scale; q6_k: [N, K/16] int8, each 16 weights' scale
     sc: torch.Tensor | None = None
     mn: torch.Tensor | None = None  # q4_k: [N, K/32] uint8, each block's 6-bit min
+    keep_tiles: bool = False  # CPUs without AMX: bf16 tiles beside these blocks (keep_tiles())
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,7 +78,7 @@ class BlockWeight:
         return [self.q, self.d, self.m, self.sc, self.mn]
 
     def rows(self, index: torch.Tensor) -> "BlockWeight":
-        return BlockWeight(self.kind, *[None if f is None else f[index] for f in self._fields()])
+        return BlockWeight(self.kind, *[None if f is None else f[index] for f in self._fields()], self.keep_tiles)
 
     @staticmethod
     def cat(parts: list["BlockWeight"]) -> "BlockWeight":
@@ -79,7 +86,8 @@ class BlockWeight:
         if len(kinds) != 1:
             raise ValueError(f"cannot concatenate {sorted(kinds)} blocks")
         fields = zip(*[p._fields() for p in parts])
-        return BlockWeight(parts[0].kind, *[None if f[0] is None else torch.cat(f) for f in fields])
+        keep = all(p.keep_tiles for p in parts)
+        return BlockWeight(parts[0].kind, *[None if f[0] is None else torch.cat(f) for f in fields], keep)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K]: d * q (+ m), each operation rounded (as gguf-py
@@ -348,6 +356,9 @@ def attach(model: torch.nn.Module, gguf_path: str) -> int:
     returns how many. PackedLinear and FusedMLP pack them instead of the
     bf16 weight once `packed_tiles` has checked them."""
     blocks = read_blocks(gguf_path, model.config)
+    keep = keep_tiles(2 * sum(bw.q.numel() for bw in blocks.values()))
+    for bw in blocks.values():
+        bw.keep_tiles = keep
     modules = dict(model.named_modules())
     if getattr(model.config, "tie_word_embeddings", False) and "model.embed_tokens" in blocks:
         blocks.setdefault("lm_head", blocks["model.embed_tokens"])
@@ -427,17 +438,24 @@ def avx512_weights(
     for any row count, Q4_1 blocks for few rows or None). A layer is served
     from its blocks alone, no bf16 tiles beside them, so that a quantised
     file's model takes about the file's size (bits a weight: Q4_1 5,
-    Q8_0 8.5, Q4_K 4.625, Q6_K 6.5625). With CBSERVE_GGUF_TILES=1 a Q4_1 layer
-    keeps the tiles, faster above AVX512_BLOCKS_MAX_ROWS rows, and its
-    blocks for fewer (packed_linear.py), and a Q8_0 layer the tiles alone
-    (its expansion is slower than their stream at any row count here)."""
-    if blocks is not None and (blocks.kind in ("q4_k", "q6_k") or not keep_tiles()):
+    Q8_0 8.5, Q4_K 4.625, Q6_K 6.5625); but where its blocks say
+    `keep_tiles` (a small model, TILES_SWITCH) a Q4_1 layer keeps the tiles,
+    faster above AVX512_BLOCKS_MAX_ROWS rows, and its blocks for fewer
+    (packed_linear.py), and a Q8_0 layer the tiles alone (its expansion is
+    slower than their stream at any row count here). K-quants have no tiles
+    beside them."""
+    if blocks is not None and (blocks.kind in ("q4_k", "q6_k") or not blocks.keep_tiles):
         return packed_tiles(blocks, bf16_tiles, what), None
     return bf16_tiles, small_batch_blocks(blocks, bf16_tiles, what)
 
 
-def keep_tiles() -> bool:
-    return os.environ.get(TILES_SWITCH, "0").strip().lower() in ("1", "true", "yes", "on")
+def keep_tiles(bf16_bytes: int) -> bool:
+    """Whether a model whose blocks expand to `bf16_bytes` of bf16 tiles
+    keeps them beside the blocks (TILES_SWITCH)."""
+    switch = os.environ.get(TILES_SWITCH, "auto").strip().lower()
+    if switch in ("0", "1"):
+        return switch == "1"
+    return bf16_bytes < AUTO_TILES_MAX_BYTES
 
 
 class BlockEmbedding(torch.nn.Module):
@@ -470,7 +488,7 @@ def embed_from_blocks(model: torch.nn.Module) -> bool:
     inner = getattr(model, "model", None)
     emb = getattr(inner, "embed_tokens", None)
     blocks = getattr(emb, "cbserve_blocks", None)
-    if blocks is None or keep_tiles() or not enabled() or packed_linear.avx512_ops() is None:
+    if blocks is None or blocks.keep_tiles or not enabled() or packed_linear.avx512_ops() is None:
         return False
     head = getattr(model, "lm_head", None)
     tied = isinstance(head, packed_linear.PackedLinear) and head.weight is emb.weight

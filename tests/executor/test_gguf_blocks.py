@@ -88,16 +88,13 @@ def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
         assert with_blocks.lean.layers[0].qkv.__self__.kernel_for(3) == "amx_q4_rows_linear"
         assert with_blocks.model.model.layers[0].mlp.packed_rows is not None
     else:
-        # Every layer from its blocks alone, the embedding looked up in the
-        # tied head's Q8_0 blocks: the weights take about the file's size.
-        assert kinds == {"avx512-q8_0", "avx512-q4_1", "avx512_linear_silu_mul-q4_1"}
+        # A model this small keeps its Q4_1 blocks beside the bf16 tiles, for
+        # decode-sized batches (gguf_weights.AUTO_TILES_MAX_BYTES); the Q8_0 LM
+        # head keeps its tiles alone (its blocks expand slower than tiles stream).
+        assert kinds == {"avx512", "avx512+q4_1", "avx512_linear_silu_mul+q4_1"}
         qkv = with_blocks.lean.layers[0].qkv.__self__
-        assert qkv.kernel_for(3) == qkv.kernel_for(64) == "avx512_linear-q4_1"
-        assert isinstance(with_blocks.model.model.embed_tokens, gguf_weights.BlockEmbedding)
-        from gguf import GGUFReader
-
-        tensors = GGUFReader(os.path.join(source.path, source.gguf_file)).tensors
-        assert with_blocks.weight_bytes <= 1.15 * sum(int(t.n_bytes) for t in tensors)
+        assert qkv.kernel_for(3) == "avx512_linear-q4_1" and qkv.kernel_for(5) == "avx512_linear"
+        assert with_blocks.model.model.layers[0].mlp.packed_blocks is not None
     # Once packed, the runner keeps no module's block values (a byte a weight).
     assert not [n for n, m in with_blocks.model.named_modules() if hasattr(m, "cbserve_blocks")]
     got = _greedy_with_hidden(with_blocks, prompts, 6)

@@ -127,6 +127,7 @@ def test_a_quantised_file_is_served_in_about_its_own_size(tmp_path, monkeypatch,
 
     from executor.cpu.gguf_weights import BlockEmbedding
 
+    monkeypatch.setenv(gguf_weights.TILES_SWITCH, "0")  # as for a model of 1B and up (AUTO_TILES_MAX_BYTES)
     torch.manual_seed(5)
     cfg = small(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=272, tie_word_embeddings=tied)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
@@ -154,3 +155,15 @@ def test_a_quantised_file_is_served_in_about_its_own_size(tmp_path, monkeypatch,
     assert got[0] == want[0]
     for g, w in zip(got[1], want[1]):
         assert torch.equal(g.view(torch.int16), w.view(torch.int16))
+
+
+def test_tiles_beside_the_blocks_follow_the_models_size(monkeypatch):
+    """CBSERVE_GGUF_TILES unset: bf16 tiles beside the blocks for a model
+    whose tiles take less than AUTO_TILES_MAX_BYTES, blocks alone above; 0 / 1
+    decide for any size."""
+    small_model, big_model = gguf_weights.AUTO_TILES_MAX_BYTES - 1, gguf_weights.AUTO_TILES_MAX_BYTES
+    monkeypatch.delenv(gguf_weights.TILES_SWITCH, raising=False)
+    assert gguf_weights.keep_tiles(small_model) and not gguf_weights.keep_tiles(big_model)
+    for value, keep in (("0", False), ("1", True)):
+        monkeypatch.setenv(gguf_weights.TILES_SWITCH, value)
+        assert gguf_weights.keep_tiles(small_model) == gguf_weights.keep_tiles(big_model) == keep

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not fused.avx512_linear_supported(), reason="nee
 # odd last one (1040), which the pair-major packing stores alone.
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("n", [1024, 1040])
-@pytest.mark.parametrize("m", [1, 5, 7, 32, 100])
+@pytest.mark.parametrize("m", [1, 5, 7, 8, 9, 32, 100])
 def test_linear_equals_the_bf16_kernel(kind, m, n):
     bw, packed, tiles, x, bias = linear_case(kind, m, n, seed=m + n, k=768 if kind.endswith("_k") else 576)
     for b in (None, bias):

@@ -48,6 +48,11 @@ constexpr int64_t kBlockK = 32;  // K elements per tile of the packed layout
 constexpr int64_t kTileElems = kBlockK * kBlockN;
 constexpr int kMR = 6;  // rows of x per register block
 constexpr int kNV = 4;  // feature blocks per register block
+// Rows up to which blocks are expanded in registers, one register block of
+// two feature blocks (16 accumulators; more rows spill). Above, expanding a
+// pair once into a buffer and running the bf16 loop costs about what two
+// register passes do (docs/quantization.md).
+constexpr int kMQ = 8;
 
 #if CB_FUSED_X86
 
@@ -243,8 +248,8 @@ CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, i
   store_rows<R, NV>(a, acc, m0, nb);
 }
 
-// Up to kMR rows over blocks of format F: pairs of feature blocks per
-// thread, micro_q for each.
+// Up to kMQ rows over blocks of format F: pairs of feature blocks per
+// thread, micro_q for each, one register block of all the rows.
 template <gguf_tiles::Fmt F>
 void few_rows(const Args& a, const uint8_t* src, int64_t nblocks, int64_t kblocks) {
   at::parallel_for(0, ceil_div(nblocks, 2), 1, [&](int64_t u0, int64_t u1) {
@@ -265,6 +270,8 @@ void few_rows(const Args& a, const uint8_t* src, int64_t nblocks, int64_t kblock
         CB_MQ(4)
         CB_MQ(5)
         CB_MQ(6)
+        CB_MQ(7)
+        CB_MQ(8)
         default: break;
       }
 #undef CB_MQ
@@ -336,7 +343,7 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const u
 
 // Over GGUF blocks (gguf_tiles.h): a thread takes pairs of feature blocks
 // (the blocks are stored pair-major, and a (gate, up) pair of
-// amx_pack_gate_up's order is one). Up to kMR rows (one register block) it
+// amx_pack_gate_up's order is one). Up to kMQ rows (one register block) it
 // expands each k-pair in registers as it multiplies (micro_q); with more, it
 // expands the pair's whole K sweep once into two bf16 panels of its own
 // buffer (L2-sized: 2 KB per 32 of K) and runs the bf16 loop over them for
@@ -352,7 +359,7 @@ void run_blocks(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, 
   a.panel = kblocks * kTileElems;
   if (a.M == 0) return;
   const uint8_t* src = packed.data_ptr<uint8_t>();
-  if (a.M <= kMR) {  // decode sizes: expand in registers, one row block
+  if (a.M <= kMQ) {  // decode sizes: expand in registers, one row block
     switch (fmt) {
       case gguf_tiles::Fmt::kQ4_1: few_rows<gguf_tiles::Fmt::kQ4_1>(a, src, nblocks, kblocks); break;
       case gguf_tiles::Fmt::kQ4_K: few_rows<gguf_tiles::Fmt::kQ4_K>(a, src, nblocks, kblocks); break;
