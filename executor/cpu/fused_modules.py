@@ -96,7 +96,7 @@ class FusedMLP(torch.nn.Module):
     @property
     def kernel(self) -> str:
         """What computes act(gate) * up: "amx_linear_silu_mul" (+ "-q4_1" / "-q8_0" over GGUF blocks),
-        "avx512_linear_silu_mul" ("+q4_1": over Q4_1 blocks for few rows; "-q4_k": over Q4_K blocks)
+        "avx512_linear_silu_mul" ("+q4_1": over Q4_1 blocks for few rows; "-q4_k" etc.: over GGUF blocks alone)
         or "<gate_up kernel> + silu_and_mul"; "(gelu_tanh)" after it for GELU."""
         suffix = "" if self.activation == "silu" else f" ({self.activation})"
         if self.gate_up is not None:

@@ -1,20 +1,24 @@
-"""The GGUF file's 4- and 8-bit weight blocks, kept for the AMX kernels.
+"""A GGUF file's quantised weight blocks, kept for the block kernels
+(amx_linear on AMX CPUs; avx512_linear on other AVX512-BF16 CPUs).
 
 SmolLM2's GGUF stores every projection as Q4_1 blocks (32 weights of one
 row: w = d * q + m, fp16 d and m, 4-bit q) and the tied embedding / LM head
-as Q8_0 (w = d * q, 8-bit q). transformers dequantises them in fp32 and the
-bf16 model rounds each weight once: so bf16(d * q + m) *is* the model cbserve
-serves. A bf16 decode step streams 2 bytes per weight from memory; these
-blocks take 5/8 (Q4_1) and 8.5/8 (Q8_0) bits, and the AMX kernels expand them
-on the fly to exactly the same bf16 tiles (native/csrc/linear/amx_linear.cpp).
-Same weights, same outputs, a third of the bytes a step reads.
+as Q8_0 (w = d * q, 8-bit q); Q4_0 is read as Q4_1, and the K-quants of
+Q4_K_M files (Q4_K, Q6_K: 256-weight super-blocks with 6- or 8-bit scales
+per 32 / 16 weights) are packed one super-block a tile. transformers
+dequantises them in fp32 and the bf16 model rounds each weight once: so
+bf16(d * q + m) *is* the model cbserve serves, and the kernels expand the
+blocks on the fly to exactly the same bf16 tiles (native/csrc/linear/
+gguf_tiles.h). Same weights, same outputs, a third of the bytes or less.
 
 Every tensor is checked at load: its expansion must equal the loaded bf16
 weight bit for bit, else that layer keeps the bf16 tiles (a GGUF whose
 mapping or rounding differs is served as before, with a warning).
-`CBSERVE_GGUF_BLOCKS=0` turns the whole path off; `CBSERVE_Q4_ROWS=0` keeps
-the Q4_1 layers on amx_linear's layout and kernel (amx_q4_rows_linear's
-feature-major layout otherwise).
+`CBSERVE_GGUF_BLOCKS=0` turns the whole path off; `CBSERVE_GGUF_TILES`
+chooses, on CPUs without AMX, between blocks alone and bf16 tiles beside
+them (avx512_weights); `CBSERVE_Q4_ROWS=0` keeps the Q4_1 layers on
+amx_linear's layout and kernel (amx_q4_rows_linear's feature-major layout
+otherwise). docs/quantization.md.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ class PackedLinear(torch.nn.Module):
     def kernel(self) -> str:
         """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
         blocks), "avx512" ("avx512+q4_1": also over Q4_1 blocks for small
-        batches; "avx512-q4_k": over Q4_K blocks alone), "avx2_f32" or "onednn"."""
+        batches; "avx512-q4_1" etc.: over GGUF blocks alone), "avx2_f32" or "onednn"."""
         if self._amx is not None:
             from executor.cpu.gguf_weights import packed_kind
 

@@ -67,3 +67,18 @@ def mapping_of(addr: int) -> tuple[int, int]:
             if start <= addr < end:
                 return start, end
     raise LookupError(hex(addr))
+
+
+def greedy_with_hidden(runner, prompts: list[list[int]], steps: int):
+    """Each prompt's greedy tokens and every step's final hidden states (the
+    lean forward's output, spied on)."""
+    hidden = []
+    lean = runner.lean
+
+    def spy(*args):
+        h = lean(*args)
+        hidden.append(h.clone())
+        return h
+
+    runner.lean = spy
+    return greedy(runner, prompts, steps), hidden

@@ -17,7 +17,7 @@ from executor import model_loader, model_source
 from executor.cpu import gguf_weights
 from executor.runner import ModelRunner
 from tests.conftest import has_smollm2
-from tests.executor.helpers import greedy
+from tests.executor.helpers import greedy_with_hidden
 
 pytestmark = [
     pytest.mark.smollm2,
@@ -57,20 +57,6 @@ def test_every_projection_and_the_embedding_expand_to_the_loaded_weights(source,
         assert torch.equal(blocks[name].dequantize(), params[name + ".weight"]), name
 
 
-def _greedy_with_hidden(runner: ModelRunner, prompts: list[list[int]], steps: int):
-    """Each prompt's greedy tokens and every step's final hidden states."""
-    hidden = []
-    lean = runner.lean
-
-    def spy(*args):  # the lean forward's final hidden states of every step
-        h = lean(*args)
-        hidden.append(h.clone())
-        return h
-
-    runner.lean = spy
-    return greedy(runner, prompts, steps), hidden
-
-
 def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
     # 40..54 tokens (prefill over the tiles, in one and several passes), then
     # decode steps of 3 rows: over the blocks on either kind of CPU.
@@ -97,12 +83,12 @@ def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
         assert with_blocks.model.model.layers[0].mlp.packed_blocks is not None
     # Once packed, the runner keeps no module's block values (a byte a weight).
     assert not [n for n, m in with_blocks.model.named_modules() if hasattr(m, "cbserve_blocks")]
-    got = _greedy_with_hidden(with_blocks, prompts, 6)
+    got = greedy_with_hidden(with_blocks, prompts, 6)
     del with_blocks
     monkeypatch.setenv(gguf_weights.ENV_SWITCH, "0")
     plain = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
     assert plain.model.lm_head.kernel == ("amx" if AMX else "avx512")
-    want = _greedy_with_hidden(plain, prompts, 6)
+    want = greedy_with_hidden(plain, prompts, 6)
     assert got[0] == want[0]
     assert len(got[1]) == len(want[1]) == 7
     for g, w in zip(got[1], want[1]):

@@ -18,7 +18,7 @@ import torch
 from executor import model_loader, model_source
 from executor.cpu import gguf_weights
 from executor.runner import ModelRunner
-from tests.executor.helpers import greedy
+from tests.executor.helpers import greedy_with_hidden
 from tests.integration.gguf_writer import write_gguf
 from tests.small_configs import small
 
@@ -33,19 +33,6 @@ def model():
     # Every projection's K a multiple of 256, a Q4_K super-block.
     cfg = LlamaConfig(**small(num_hidden_layers=2, hidden_size=256, intermediate_size=512, max_position_embeddings=512))
     return LlamaForCausalLM(cfg).eval()
-
-
-def _hidden_and_tokens(runner: ModelRunner, prompts, steps):
-    hidden = []
-    lean = runner.lean
-
-    def spy(*args):
-        h = lean(*args)
-        hidden.append(h.clone())
-        return h
-
-    runner.lean = spy
-    return greedy(runner, prompts, steps), hidden
 
 
 @pytest.mark.parametrize(
@@ -90,13 +77,13 @@ def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, mo
         assert qkv.kernel == ("amx-q8_0" if quant == "Q8_0" else "amx-q4_1")
     modules = {id(m): m for m in [*runner.model.modules(), *runner._lean_modules()]}.values()
     blocks_bytes = sum(m.packed_blocks.nbytes for m in modules if getattr(m, "packed_blocks", None) is not None)
-    got = _hidden_and_tokens(runner, prompts, 6)
+    got = greedy_with_hidden(runner, prompts, 6)
     weight_bytes = runner.weight_bytes
     del runner
     monkeypatch.setenv(gguf_weights.ENV_SWITCH, "0")
     plain = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
     assert plain.lean.layers[0].qkv.__self__.kernel in ("amx", "avx512")
-    want = _hidden_and_tokens(plain, prompts, 6)
+    want = greedy_with_hidden(plain, prompts, 6)
     # weight_bytes (the "executor ready" line's weights_mb) counts what each holds:
     # without AMX the Q4 blocks beside the tiles, with AMX the blocks instead of them.
     if not amx and beside:
@@ -145,13 +132,13 @@ def test_a_quantised_file_is_served_in_about_its_own_size(tmp_path, monkeypatch,
         assert runner.model.model.embed_tokens.packed is runner.model.lm_head.packed
     assert runner.weight_bytes <= 1.15 * file_bytes, (runner.weight_bytes, file_bytes)
     prompts = [list(range(5, 45)), [7, 8, 271]]
-    got = _hidden_and_tokens(runner, prompts, 6)
+    got = greedy_with_hidden(runner, prompts, 6)
     del runner
     monkeypatch.setenv(gguf_weights.ENV_SWITCH, "0")
     plain = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
     assert type(plain.model.model.embed_tokens) is torch.nn.Embedding
     assert plain.weight_bytes > 2.5 * file_bytes  # the bf16 expansion
-    want = _hidden_and_tokens(plain, prompts, 6)
+    want = greedy_with_hidden(plain, prompts, 6)
     assert got[0] == want[0]
     for g, w in zip(got[1], want[1]):
         assert torch.equal(g.view(torch.int16), w.view(torch.int16))

@@ -13,7 +13,7 @@ import torch
 from executor import model_loader, model_source
 from executor.cpu import gguf_weights, int8_weights
 from executor.runner import ModelRunner
-from tests.executor.helpers import greedy
+from tests.executor.helpers import greedy_with_hidden
 
 pytestmark = pytest.mark.skipif(not gguf_weights.supported(), reason="needs an AVX512-BF16 CPU")
 
@@ -33,19 +33,6 @@ def test_rows_quantize_symmetrically_per_channel():
     assert torch.equal(bw.dequantize()[5], torch.zeros(96))
 
 
-def _run(runner: ModelRunner, prompts):
-    hidden = []
-    lean = runner.lean
-
-    def spy(*args):
-        h = lean(*args)
-        hidden.append(h.clone())
-        return h
-
-    runner.lean = spy
-    return greedy(runner, prompts, 6), hidden
-
-
 def test_int8_projections_are_served_from_their_bytes_exactly(monkeypatch):
     source = model_source.resolve(SPEC)
     prompts = [list(range(5, 45)), [7, 8, 9]]  # a prefill, then decode steps of 2 rows
@@ -54,14 +41,14 @@ def test_int8_projections_are_served_from_their_bytes_exactly(monkeypatch):
     assert qkv.kernel in ("avx512-q8_0", "amx-q8_0")
     assert runner.model.model.layers[0].mlp.down.kernel == qkv.kernel
     assert runner.model.lm_head.kernel in ("avx512", "amx")  # the head stays bf16
-    got = _run(runner, prompts)
+    got = greedy_with_hidden(runner, prompts, 6)
     int8_bytes = runner.weight_bytes
     del runner
     # The same int8 model served from bf16 tiles of its dequantised weights.
     monkeypatch.setenv(gguf_weights.ENV_SWITCH, "0")
     tiles = ModelRunner(model_loader.load_model(source, torch.bfloat16, quantization="int8"), 16, 64)
     assert tiles.lean.layers[0].qkv.__self__.kernel in ("avx512", "amx")
-    want = _run(tiles, prompts)
+    want = greedy_with_hidden(tiles, prompts, 6)
     assert got[0] == want[0]
     for g, w in zip(got[1], want[1]):
         assert torch.equal(g.view(torch.int16), w.view(torch.int16))
@@ -71,7 +58,7 @@ def test_int8_projections_are_served_from_their_bytes_exactly(monkeypatch):
     assert tiles.weight_bytes - int8_bytes >= proj * (2 - 8.5 / 8) * 0.95
     # Against the unquantised model: the same hidden states up to the quantisation's error.
     monkeypatch.delenv(gguf_weights.ENV_SWITCH)
-    plain = _run(ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64), prompts)
+    plain = greedy_with_hidden(ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64), prompts, 6)
     h_int8, h_bf16 = got[1][0].float(), plain[1][0].float()
     assert (h_int8 - h_bf16).norm() / h_bf16.norm() < 0.05
 
