@@ -123,3 +123,21 @@ def _write(tmp_path, quant: str):
     path = tmp_path / f"tiny-{quant}.gguf"
     write_gguf(LlamaForCausalLM(LlamaConfig(**cfg)), str(path), quant=quant)
     return path
+
+
+def test_blocks_expanded_anyway_are_said_so(tmp_path, monkeypatch):
+    """A served block type that ends up expanded (fp32 here; no AVX512-BF16,
+    a GPU or CBSERVE_GGUF_BLOCKS=0 alike) is logged with the reason; a file
+    with no blocks at all is not."""
+    import structlog
+
+    from executor import model_loader, model_source
+
+    monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    quantized, plain = _write(tmp_path, "Q4_1"), tmp_path / "fp32.gguf"
+    write_gguf(_model("llama"), str(plain))
+    for path, expect in ((quantized, ["served in float32"]), (plain, [])):
+        with structlog.testing.capture_logs() as logs:
+            model_loader.load_model(model_source.resolve(str(path)), torch.float32)
+        said = [e["reason"] for e in logs if e["event"] == "GGUF weights expanded from their blocks"]
+        assert said == expect, (path, logs)
