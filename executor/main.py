@@ -85,12 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         source = model_source.resolve(args.model)
-        if args.dtype == "auto":  # an explicit --dtype expands any GGUF type
-            model_loader.check_gguf_types(source)
         device = model_loader.pick_device(args.device)
         dtype = model_loader.pick_dtype(args.dtype, device)
         kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype, str(device))
-        model = model_loader.load_model(source, dtype, device, args.quantization)
+        # Under --dtype auto only the GGUF types with kernels: an explicit --dtype expands any.
+        model = model_loader.load_model(source, dtype, device, args.quantization, check_types=args.dtype == "auto")
     except (ValueError, FileNotFoundError) as exc:  # ModelNotServable is a ValueError
         return _refused(exc)
     cfg = model.config

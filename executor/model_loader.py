@@ -140,19 +140,29 @@ def export_gguf_checkpoint(source: ModelSource, dest: str, force: bool = False) 
 GGUF_SERVED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
-def check_gguf_types(source: ModelSource) -> None:
-    """ModelNotServable naming the first tensor of a GGUF file whose type
-    is not one of GGUF_SERVED_TYPES (a no-op for other sources, and for a
-    file that does not read: the loader says what is wrong with it)."""
+def _gguf_reader(source: ModelSource):
+    """gguf-py's reader of a GGUF source's file, or None (another source, or
+    a file it cannot read: the loader then says what is wrong with it).
+    Parsing the header takes seconds (2 s for SmolLM2, 4-5 s for a 1B file:
+    the vocabulary's strings), so one reader serves a whole load."""
     if source.kind != "gguf":
-        return
+        return None
     from gguf import GGUFReader
 
     try:
-        tensors = GGUFReader(os.path.join(source.path, source.gguf_file)).tensors
+        return GGUFReader(os.path.join(source.path, source.gguf_file))
     except Exception:  # noqa: BLE001  (gguf-py raises several kinds on a damaged file)
+        return None
+
+
+def check_gguf_types(source: ModelSource, reader=None) -> None:
+    """ModelNotServable naming the first tensor of a GGUF file whose type
+    is not one of GGUF_SERVED_TYPES (a no-op for other sources, and for a
+    file that does not read). `reader`: the file's, where one is open."""
+    reader = reader if reader is not None else _gguf_reader(source)
+    if reader is None:
         return
-    bad = [(t.name, t.tensor_type.name) for t in tensors if t.tensor_type.name not in GGUF_SERVED_TYPES]
+    bad = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type.name not in GGUF_SERVED_TYPES]
     if bad:
         name, kind = bad[0]
         more = (
@@ -291,14 +301,23 @@ def _check_fits(path: str, dtype: torch.dtype, device: torch.device) -> None:
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device = torch.device("cpu"), quantization: str = "none"
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device = torch.device("cpu"),
+    quantization: str = "none",
+    check_types: bool = False,
 ) -> torch.nn.Module:
     """The causal LM in eval mode, on `device`, in `dtype`; with
     quantization "int8", its projections as int8 weights
     (executor/cpu/int8_weights.py). ModelNotServable where the checkpoint is
-    not one or does not load, or the quantization cannot be served."""
+    not one or does not load, or the quantization cannot be served, or
+    (`check_types`: --dtype auto) a GGUF tensor's type is not served
+    (check_gguf_types)."""
     t0 = time.perf_counter()
     _check_quantization(source, dtype, device, quantization)
+    reader = _gguf_reader(source)
+    if check_types:
+        check_gguf_types(source, reader)
     if source.kind == "tiny":
         model = build_tiny(source, dtype)
     else:
@@ -327,7 +346,7 @@ def load_model(
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    blocks = _attach_gguf_blocks(model, source, dtype, device)
+    blocks = _attach_gguf_blocks(model, reader, dtype, device)
     int8_layers = 0
     if quantization == "int8":
         from executor.cpu import gguf_weights, int8_weights
@@ -363,11 +382,12 @@ def _check_quantization(source: ModelSource, dtype: torch.dtype, device: torch.d
         raise ModelNotServable(f"--quantization {quantization} needs the AVX512-BF16 block kernels; this CPU has none")
 
 
-def _attach_gguf_blocks(model: torch.nn.Module, source: ModelSource, dtype: torch.dtype, device: torch.device) -> int:
-    """bf16 on an AVX512-BF16 CPU from a GGUF: its blocks go with the linear
-    layers for the kernels to stream (executor/cpu/gguf_weights.py); 0
-    elsewhere, with a warning saying why the weights are expanded."""
-    if source.kind != "gguf":
+def _attach_gguf_blocks(model: torch.nn.Module, reader, dtype: torch.dtype, device: torch.device) -> int:
+    """bf16 on an AVX512-BF16 CPU from a GGUF (`reader`: its file's, None
+    for other sources): its blocks go with the linear layers for the kernels
+    to stream (executor/cpu/gguf_weights.py); 0 elsewhere, with a warning
+    saying why the weights are expanded."""
+    if reader is None:
         return 0
     from executor.cpu import gguf_weights
 
@@ -380,12 +400,9 @@ def _attach_gguf_blocks(model: torch.nn.Module, source: ModelSource, dtype: torc
         why = f"{gguf_weights.ENV_SWITCH}=0"
     elif not gguf_weights.supported():
         why = "the block kernels need an AVX512-BF16 CPU"
-    path = os.path.join(source.path, source.gguf_file)
     if why is None:
-        return gguf_weights.attach(model, path)
-    from gguf import GGUFReader
-
-    if all(t.tensor_type.name in ("F32", "F16", "BF16") for t in GGUFReader(path).tensors):
+        return gguf_weights.attach(model, reader)
+    if all(t.tensor_type.name in ("F32", "F16", "BF16") for t in reader.tensors):
         return 0  # no blocks to keep
     _LOGGER.warning("GGUF weights expanded from their blocks", reason=why, dtype=str(dtype).removeprefix("torch."))
     return 0

@@ -307,12 +307,10 @@ def _unpermute(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def read_blocks(gguf_path: str, config) -> dict[str, BlockWeight]:
-    """Block weights of a Llama GGUF by Hugging Face module name
-    ('model.layers.0.self_attn.q_proj', ..., 'model.embed_tokens')."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
+def read_blocks(reader, config) -> dict[str, BlockWeight]:
+    """Block weights of a Llama GGUF (`reader`: gguf-py's GGUFReader of the
+    file) by Hugging Face module name ('model.layers.0.self_attn.q_proj',
+    ..., 'model.embed_tokens', 'lm_head')."""
     out: dict[str, BlockWeight] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
@@ -354,12 +352,12 @@ def supported() -> bool:
     return bool(fused.avx512_linear_supported())
 
 
-def attach(model: torch.nn.Module, gguf_path: str) -> int:
+def attach(model: torch.nn.Module, reader) -> int:
     """Gives every bf16 Linear of `model` its GGUF blocks as a
     `cbserve_blocks` attribute (the tied LM head gets the embedding's);
     returns how many. PackedLinear and FusedMLP pack them instead of the
     bf16 weight once `packed_tiles` has checked them."""
-    blocks = read_blocks(gguf_path, model.config)
+    blocks = read_blocks(reader, model.config)
     keep = keep_tiles(2 * sum(bw.q.numel() for bw in blocks.values()))
     for bw in blocks.values():
         bw.keep_tiles = keep

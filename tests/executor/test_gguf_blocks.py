@@ -34,10 +34,11 @@ def source():
 
 @pytest.fixture(scope="module")
 def blocks(source):
+    from gguf import GGUFReader
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_loader.checkpoint_dir(source))
-    return gguf_weights.read_blocks(os.path.join(source.path, source.gguf_file), cfg)
+    return gguf_weights.read_blocks(GGUFReader(os.path.join(source.path, source.gguf_file)), cfg)
 
 
 def test_every_projection_and_the_embedding_expand_to_the_loaded_weights(source, blocks):
