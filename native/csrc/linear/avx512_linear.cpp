@@ -171,7 +171,7 @@ CB_AVX512BF16 __attribute__((always_inline)) inline void dots(__m512 (&acc)[R][N
 
 // Rows [m0, m0 + R) of x against feature blocks [nb, nb + NV) straight from
 // their GGUF blocks (format F): each k-pair's weight vector is
-// expanded in registers by dequant_tile's own row functions (q4_row /
+// expanded in registers by dequant_tile's own row functions (group_row /
 // q8_row, so to the same bf16 values) and goes into the dot products
 // without a store. For decode-sized M the expansion is then the only work
 // besides reading the blocks.
@@ -196,44 +196,27 @@ CB_AVX512BF16 void micro_q(const Args& a, const uint8_t* src, int64_t nblocks, i
       sc[v] = gguf_tiles::tile_scales(F, tile[v], kb);
     }
     const int64_t p0 = kb * (kBlockK / 2);
-    if (F == gguf_tiles::Fmt::kQ4_1 || F == gguf_tiles::Fmt::kQ4_K) {
-      for (int g = 0; g < 4; ++g) {  // k-pair 4g + j: byte j of each lane of group g
-        __m512i gv[NV];
-#pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) gv[v] = _mm512_loadu_si512(t[v] + 64 * g);
-#define CB_Q4_PAIR(j)                                                              \
-  do {                                                                             \
-    __m512bh wv[NV];                                                               \
-    for (int v = 0; v < NV; ++v) wv[v] = gguf_tiles::q4_row<j>(gv[v], q16, sc[v]); \
-    dots<R, NV>(acc, wv, x, a.K, p0 + 4 * g + (j));                                \
-  } while (0)
-        CB_Q4_PAIR(0);
-        CB_Q4_PAIR(1);
-        CB_Q4_PAIR(2);
-        CB_Q4_PAIR(3);
-#undef CB_Q4_PAIR
-      }
-    } else if (F == gguf_tiles::Fmt::kQ6_K) {
-      for (int g = 0; g < 4; ++g) {
-        if (g == 2)  // k-pairs 8..15: the block's second 16 weights, their own scales
+    if (gguf_tiles::nibble_groups(F)) {
+      for (int g = 0; g < 4; ++g) {                 // k-pair 4g + j: byte j of each lane of group g
+        if (F == gguf_tiles::Fmt::kQ6_K && g == 2)  // k-pairs 8..15: a Q6_K block's second 16 weights
           for (int v = 0; v < NV; ++v) sc[v] = gguf_tiles::tile_scales(F, tile[v], kb, 1);
         __m512i gv[NV], hv[NV];
 #pragma GCC unroll 2
         for (int v = 0; v < NV; ++v) {
           gv[v] = _mm512_loadu_si512(t[v] + 64 * g);
-          hv[v] = gguf_tiles::q6_high(t[v], g);
+          hv[v] = gguf_tiles::group_high<F>(t[v], g);
         }
-#define CB_Q6_PAIR(j)                                                                \
-  do {                                                                               \
-    __m512bh wv[NV];                                                                 \
-    for (int v = 0; v < NV; ++v) wv[v] = gguf_tiles::q6_row<j>(gv[v], hv[v], sc[v]); \
-    dots<R, NV>(acc, wv, x, a.K, p0 + 4 * g + (j));                                  \
+#define CB_GROUP_PAIR(j)                                                                        \
+  do {                                                                                          \
+    __m512bh wv[NV];                                                                            \
+    for (int v = 0; v < NV; ++v) wv[v] = gguf_tiles::group_row<F, j>(gv[v], hv[v], q16, sc[v]); \
+    dots<R, NV>(acc, wv, x, a.K, p0 + 4 * g + (j));                                             \
   } while (0)
-        CB_Q6_PAIR(0);
-        CB_Q6_PAIR(1);
-        CB_Q6_PAIR(2);
-        CB_Q6_PAIR(3);
-#undef CB_Q6_PAIR
+        CB_GROUP_PAIR(0);
+        CB_GROUP_PAIR(1);
+        CB_GROUP_PAIR(2);
+        CB_GROUP_PAIR(3);
+#undef CB_GROUP_PAIR
       }
     } else {
 #pragma GCC unroll 2

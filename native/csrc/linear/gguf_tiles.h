@@ -205,38 +205,58 @@ CB_AVX512BF16 inline __m512i q6_high(const uint8_t* q, int g) {
 
 CB_AVX512BF16 inline __m512 q4_table() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 
+// The formats whose k-block is 4 groups of 64 low-bit bytes (Q4_1's
+// layout): Q4_1, Q4_K, and Q6_K with its high bits beside them.
+constexpr bool nibble_groups(Fmt f) { return f == Fmt::kQ4_1 || f == Fmt::kQ4_K || f == Fmt::kQ6_K; }
+
+// Group g's high bits of a k-block of format F (`q`: its bytes): Q6_K's
+// (q6_high), nothing for the 4-bit formats.
+template <Fmt F>
+CB_AVX512BF16 inline __m512i group_high(const uint8_t* q, int g) {
+  if constexpr (F == Fmt::kQ6_K) return q6_high(q, g);
+  return _mm512_setzero_si512();
+}
+
+// Row 4g + R of a k-block of a nibble_groups format F, from its group g
+// (`group`, and `high` from group_high), as bf16: q6_row for Q6_K, q4_row
+// (table `q16`) for Q4_1 and Q4_K.
+template <Fmt F, int R>
+CB_AVX512BF16 inline __m512bh group_row(__m512i group, __m512i high, __m512 q16, const TileScales& s) {
+  if constexpr (F == Fmt::kQ6_K) return q6_row<R>(group, high, s);
+  return q4_row<R>(group, q16, s);
+}
+
+// dequant_tile for a nibble_groups format F: `s`, k-block kb's scales; a
+// Q6_K k-block takes its second scales from k-pair 8 (group 2) on.
+template <Fmt F>
+CB_AVX512BF16 inline void dequant_groups(const uint8_t* src, const uint8_t* q, int64_t kb, TileScales s,
+                                         __m512i* rows) {
+  const __m512 q16 = q4_table();
+  for (int g = 0; g < 4; ++g) {
+    if (F == Fmt::kQ6_K && g == 2) s = tile_scales(F, src, kb, 1);
+    const __m512i v = _mm512_loadu_si512(q + 64 * g), h = group_high<F>(q, g);
+    _mm512_storeu_si512(rows + 4 * g, reinterpret_cast<__m512i>(group_row<F, 0>(v, h, q16, s)));
+    _mm512_storeu_si512(rows + 4 * g + 1, reinterpret_cast<__m512i>(group_row<F, 1>(v, h, q16, s)));
+    _mm512_storeu_si512(rows + 4 * g + 2, reinterpret_cast<__m512i>(group_row<F, 2>(v, h, q16, s)));
+    _mm512_storeu_si512(rows + 4 * g + 3, reinterpret_cast<__m512i>(group_row<F, 3>(v, h, q16, s)));
+  }
+}
+
 // One tile of bf16 weights [16 k-pairs][16 n][2] from its Q4_1 / Q8_0 /
-// Q4_K block form (`src`: the packed tile; for Q4_K its super-tile and kb
-// the k-block in it): d * q (+ m) in fp32, then bf16 RNE, as gguf-py and a
-// bf16 cast round them. d * q is exact in fp32 (an 11-bit fp16 significand
-// times a 4- or 8-bit integer; Q4_K: tile_scales), so one FMA rounds
-// d * q + m exactly as a product then a sum do.
+// Q4_K / Q6_K block form (`src`: the packed tile; for a K-quant its
+// super-tile and kb the k-block in it): d * q (+ m) in fp32, then bf16 RNE,
+// as gguf-py and a bf16 cast round them. d * q is exact in fp32 (an 11-bit
+// fp16 significand times a 4- or 8-bit integer; the K-quants: tile_scales),
+// so one FMA rounds d * q + m exactly as a product then a sum do.
 CB_AVX512BF16 inline void dequant_tile(Fmt fmt, const uint8_t* src, uint16_t* dst, int64_t kb = 0) {
   const TileScales s = tile_scales(fmt, src, kb);
   __m512i* rows = reinterpret_cast<__m512i*>(dst);  // row j: 32 words at dst + 32 j
   const uint8_t* q = tile_q(fmt, src, kb);
-  if (fmt == Fmt::kQ4_1 || fmt == Fmt::kQ4_K) {
-    const __m512 q16 = q4_table();
-    for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_loadu_si512(q + 64 * g);
-      _mm512_storeu_si512(rows + 4 * g, reinterpret_cast<__m512i>(q4_row<0>(v, q16, s)));
-      _mm512_storeu_si512(rows + 4 * g + 1, reinterpret_cast<__m512i>(q4_row<1>(v, q16, s)));
-      _mm512_storeu_si512(rows + 4 * g + 2, reinterpret_cast<__m512i>(q4_row<2>(v, q16, s)));
-      _mm512_storeu_si512(rows + 4 * g + 3, reinterpret_cast<__m512i>(q4_row<3>(v, q16, s)));
-    }
-    return;
-  }
-  if (fmt == Fmt::kQ6_K) {
-    const TileScales s2 = tile_scales(fmt, src, kb, 1);  // k-pairs 8..15: the block's second 16 weights
-    for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_loadu_si512(q + 64 * g), h = q6_high(q, g);
-      const TileScales& sg = g < 2 ? s : s2;
-      _mm512_storeu_si512(rows + 4 * g, reinterpret_cast<__m512i>(q6_row<0>(v, h, sg)));
-      _mm512_storeu_si512(rows + 4 * g + 1, reinterpret_cast<__m512i>(q6_row<1>(v, h, sg)));
-      _mm512_storeu_si512(rows + 4 * g + 2, reinterpret_cast<__m512i>(q6_row<2>(v, h, sg)));
-      _mm512_storeu_si512(rows + 4 * g + 3, reinterpret_cast<__m512i>(q6_row<3>(v, h, sg)));
-    }
-    return;
+  switch (fmt) {
+    case Fmt::kQ4_1: return dequant_groups<Fmt::kQ4_1>(src, q, kb, s, rows);
+    case Fmt::kQ4_K: return dequant_groups<Fmt::kQ4_K>(src, q, kb, s, rows);
+    case Fmt::kQ6_K: return dequant_groups<Fmt::kQ6_K>(src, q, kb, s, rows);
+    default: break;
   }
   for (int j = 0; j < 16; ++j) _mm512_storeu_si512(rows + j, reinterpret_cast<__m512i>(q8_row(q + 32 * j, s)));
 }
