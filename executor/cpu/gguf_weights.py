@@ -34,6 +34,9 @@ _LOGGER = structlog.get_logger(__name__)
 BLOCK = 32  # weights per GGUF block (Q4_1, Q8_0; a Q4_K sub-block)
 Q4K_SUB = 8  # 32-weight blocks per K-quant super-block
 Q6K_SCALES = 16  # scales per Q6_K super-block (one per 16 weights)
+# Kinds packed one 256-weight super-block a tile (gguf_tiles.h): read by
+# avx512_linear only, and never with bf16 tiles beside them.
+K_QUANTS = ("q4_k", "q6_k")
 TILE_N = 16  # output features per AMX weight tile
 ENV_SWITCH = "CBSERVE_GGUF_BLOCKS"
 # On CPUs without AMX, whether Q4_0 / Q4_1 / Q8_0 layers keep bf16 tiles
@@ -126,7 +129,7 @@ class BlockWeight:
         n, k = self.shape
         if n % TILE_N or k % BLOCK:
             raise ValueError(f"[{n}, {k}] is not whole tiles of {TILE_N} x {BLOCK}")
-        if self.kind in ("q4_k", "q6_k"):
+        if self.kind in K_QUANTS:
             return self._pack_k_quant()
         return _pair_major(self._with_scales(self._q_tiles()))
 
@@ -421,7 +424,7 @@ def for_amx(blocks: BlockWeight | None) -> BlockWeight | None:
     """The blocks amx_linear reads (Q4_1, Q8_0), else None (K-quant layers
     keep bf16 tiles on AMX CPUs: its passes step through tiles of one k-block
     each, and a K-quant tile holds a super-block)."""
-    if blocks is None or blocks.kind in ("q4_1", "q8_0"):
+    if blocks is None or blocks.kind not in K_QUANTS:
         return blocks
     global _warned_amx
     if not _warned_amx:
@@ -446,7 +449,7 @@ def avx512_weights(
     (packed_linear.py), and a Q8_0 layer the tiles alone (its expansion is
     slower than their stream at any row count here). K-quants have no tiles
     beside them."""
-    if blocks is not None and (blocks.kind in ("q4_k", "q6_k") or not blocks.keep_tiles):
+    if blocks is not None and (blocks.kind in K_QUANTS or not blocks.keep_tiles):
         return packed_tiles(blocks, bf16_tiles, what), None
     return bf16_tiles, small_batch_blocks(blocks, bf16_tiles, what)
 
