@@ -11,6 +11,8 @@ Subcommands:
   architectures each architecture at SmolLM2's shapes (and Llamas of 0.5B / 1.5B) beside vLLM-CPU
   fairness     a flooding tenant and a light one: each policy's light-tenant TTFT, beside vLLM-CPU
   goodput      SLO classes under overload: requests that meet their class, fcfs / slo beside vLLM-CPU
+  perplexity   perplexity of a text through cbserve, beside llama.cpp's llama-perplexity
+  speculative  speculative decoding's speed: copy / extract / random tasks, with and without drafts
 """
 
 from __future__ import annotations
@@ -264,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("fairness", None, "a flooding tenant and a light one: each policy, beside vLLM-CPU"),
         ("goodput", None, "SLO classes under overload: requests that meet their class, beside vLLM-CPU"),
         ("perplexity", None, "perplexity of a text through cbserve, beside llama.cpp's llama-perplexity"),
+        ("speculative", None, "speculative decoding's speed, with and without drafts"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -285,9 +288,21 @@ def main(argv: list[str] | None = None) -> int:
         "fairness",
         "goodput",
         "perplexity",
+        "speculative",
     )
     if argv and argv[0] in own_parsers:
-        from bench import architectures, bound, fairness, goodput, hf_export, online, perplexity, roofline, soak
+        from bench import (
+            architectures,
+            bound,
+            fairness,
+            goodput,
+            hf_export,
+            online,
+            perplexity,
+            roofline,
+            soak,
+            speculative,
+        )
 
         own = {
             "architectures": architectures.main,
@@ -299,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             "online": online.main,
             "soak": soak.main,
             "perplexity": perplexity.main,
+            "speculative": speculative.main,
         }
         return int(own[argv[0]](argv[1:]) or 0)
     a = build_parser().parse_args(argv)

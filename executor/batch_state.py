@@ -18,6 +18,15 @@ class SeqState:
     block_table: list[int] = field(default_factory=list)
     allowed: bytes | None = None  # this step's structured-output mask, if any
     num_prompt: int = 0  # the prompt's length (token_ids beyond it are output)
+    drafts: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
+
+    def mask(self, j: int) -> bytes | None:
+        """The grammar mask of this step's sampled position j (0 = after the
+        last known token, j = after draft j), or None."""
+        if not self.allowed or not self.drafts:
+            return self.allowed
+        size = len(self.allowed) // (len(self.drafts) + 1)
+        return self.allowed[j * size : (j + 1) * size]
 
 
 class BatchState:

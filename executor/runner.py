@@ -45,6 +45,9 @@ class StepOutput:
     failed: list | None = None
     # PromptLogprobs of the sequences that asked and computed prompt tokens.
     prompt_logprobs: list | None = None
+    # Per entry of seq_ids, how many of token_ids are its; None = one each
+    # (no sequence of the step had drafts).
+    token_counts: list[int] | None = None
 
 
 @dataclass
@@ -70,6 +73,10 @@ class _Batch:
     sample_rows: torch.Tensor  # [S] long: the rows whose next token is sampled
     sample_seqs: list[int]  # [S]: those rows' sequences, as indices into the scheduled list
     sample_states: list[tuple[int, SeqState]]  # [S]: (seq_id, state) of those sequences
+    # [S]: each sampled row's position among its sequence's sampled rows
+    # (0, or 0..k for a sequence with k drafts), and its query's length.
+    sample_pos: list[int]
+    sample_lens: list[int]
     max_q_len: int  # the longest query of the step
     # Sequences that want their prompt tokens' logprobs from this step:
     # (seq_id, state, first row, first prompt position predicted, count).
@@ -223,12 +230,16 @@ class ModelRunner:
             state.block_table = ids
         else:
             state.block_table.extend(ids)
-        end = state.num_computed + seq.num_tokens
-        if end > len(state.token_ids):
+        k = len(seq.draft_token_ids)
+        known = state.num_computed + seq.num_tokens - k
+        if known > len(state.token_ids):
             raise PlanError(
-                f"seq {seq.seq_id}: asks for {seq.num_tokens} tokens, "
+                f"seq {seq.seq_id}: asks for {seq.num_tokens - k} tokens, "
                 f"only {len(state.token_ids) - state.num_computed} are known"
             )
+        if k and (k >= seq.num_tokens or known != len(state.token_ids)):
+            raise PlanError(f"seq {seq.seq_id}: {k} drafts must follow its last known token, computed in the same step")
+        end = state.num_computed + seq.num_tokens
         if end > len(state.block_table) * self.block_size:
             raise PlanError(f"seq {seq.seq_id}: {end} tokens need more than its {len(state.block_table)} blocks")
         return state
@@ -244,6 +255,7 @@ class ModelRunner:
         self._top = []  # filled by the sampler for the rows that ask
         self._failed = []  # (seq_id, reason) of sequences refused alone
         prompt_lps = None
+        counts = None  # tokens per sampled sequence, where drafts were verified
         scheduled = self._apply_plan(plan)
         if not scheduled:
             return StepOutput([], [], None, 0.0, time.perf_counter() - t0, failed=self._failed or None)
@@ -260,12 +272,23 @@ class ModelRunner:
             else:
                 rows = self._run_model(batch)
             for _, n, st in scheduled:
-                st.num_computed += n
-            seq_ids, tokens, logprobs = self._sample(rows, batch.sample_states)
+                st.num_computed += n - len(st.drafts)  # accepted drafts are added by _verify
+            if any(st.drafts for _, _, st in scheduled):
+                seq_ids, tokens, logprobs, counts = self._verify(rows, batch)
+            else:
+                seq_ids, tokens, logprobs = self._sample(rows, batch.sample_states)
         forward = time.perf_counter() - tf
         tops = self._top if any(t is not None for t in self._top) else None
         return StepOutput(
-            seq_ids, tokens, logprobs, forward, time.perf_counter() - t0, tops, self._failed or None, prompt_lps
+            seq_ids,
+            tokens,
+            logprobs,
+            forward,
+            time.perf_counter() - t0,
+            tops,
+            self._failed or None,
+            prompt_lps,
+            counts,
         )
 
     def _apply_plan(self, plan: pb.Plan) -> list[tuple[int, int, SeqState]]:
@@ -292,7 +315,8 @@ class ModelRunner:
                 self._dropped.add(s.seq_id)
                 self._failed.append((s.seq_id, str(exc)))
                 continue
-            st.allowed = s.allowed_tokens or None  # this step's grammar mask, if any
+            st.allowed = s.allowed_tokens or None  # this step's grammar mask(s), if any
+            st.drafts = list(s.draft_token_ids)
             scheduled.append((s.seq_id, s.num_tokens, st))
         return [x for x in scheduled if x[1] > 0]
 
@@ -301,13 +325,16 @@ class ModelRunner:
         outside its embedding (new tokens only; sampled ones are in range),
         a grammar mask that does not cover the vocabulary."""
         vocab = self.vocab_size
-        if s.HasField("new"):
-            bad = next((t for t in s.new.token_ids if not 0 <= t < vocab), None)
+        news = s.new.token_ids if s.HasField("new") else []
+        for what, ids in (("token id", news), ("draft token id", s.draft_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise SeqError(f"seq {s.seq_id}: token id {bad} is outside the model's vocabulary [0, {vocab})")
-        if s.allowed_tokens and len(s.allowed_tokens) != 4 * -(-vocab // 32):
+                raise SeqError(f"seq {s.seq_id}: {what} {bad} is outside the model's vocabulary [0, {vocab})")
+        masks = len(s.draft_token_ids) + 1
+        if s.allowed_tokens and len(s.allowed_tokens) != masks * 4 * -(-vocab // 32):
             raise SeqError(
-                f"seq {s.seq_id}: a grammar mask of {len(s.allowed_tokens)} bytes for a vocabulary of {vocab}"
+                f"seq {s.seq_id}: {len(s.allowed_tokens)} bytes of grammar masks for {masks} "
+                f"position(s) of a vocabulary of {vocab}"
             )
 
     def _graphable(self, scheduled: list[tuple[int, int, SeqState]]) -> bool:
@@ -347,6 +374,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[int] = []  # their sequences' indices in `scheduled`
         sample_states: list[tuple[int, SeqState]] = []
+        sample_pos: list[int] = []
+        sample_lens: list[int] = []
         prompt_rows: list[tuple[int, SeqState, int, int, int]] = []
         bs = self.block_size
         max_blocks = 1
@@ -354,6 +383,8 @@ class ModelRunner:
             start = st.num_computed
             end = start + n
             input_ids.extend(st.token_ids[start:end])
+            if st.drafts:
+                input_ids.extend(st.drafts)
             table = st.block_table
             if n == 1:
                 positions.append(start)
@@ -369,10 +400,16 @@ class ModelRunner:
                 # Row p predicts prompt token p + 1: rows up to the prompt's second-to-last token.
                 count = min(end, st.num_prompt - 1) - start
                 prompt_rows.append((seq_id, st, cu[-2], start + 1, count))
-            if end == len(st.token_ids):
-                sample_rows.append(cu[-1] - 1)
-                sample_seqs.append(len(seq_lens) - 1)
-                sample_states.append((seq_id, st))
+            k = len(st.drafts)
+            if end - k == len(st.token_ids):
+                # The last known token's row, then each draft's: one query,
+                # each row seeing the positions up to its own.
+                for j in range(k + 1):
+                    sample_rows.append(cu[-1] - 1 - k + j)
+                    sample_seqs.append(len(seq_lens) - 1)
+                    sample_states.append((seq_id, st))
+                    sample_pos.append(j)
+                    sample_lens.append(end - k + j)
         if max(seq_lens) > self.max_context:
             raise PlanError(f"a sequence reaches {max(seq_lens)} tokens, beyond the context {self.max_context}")
 
@@ -403,6 +440,8 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sample_seqs=sample_seqs,
             sample_states=sample_states,
+            sample_pos=sample_pos,
+            sample_lens=sample_lens,
             max_q_len=max(n for _, n, _ in scheduled),
             prompt_rows=prompt_rows,
             rope_lengths=self._rope_lengths(scheduled) if self.longrope is not None else None,
@@ -451,7 +490,7 @@ class ModelRunner:
                     rows=batch.sample_rows,
                     block_tables=meta.block_tables.index_select(0, pick),
                     cu_seqlens_q=torch.arange(num_sampled + 1, dtype=torch.int32, device=dev),
-                    seq_lens=meta.seq_lens.index_select(0, pick),
+                    seq_lens=torch.tensor(batch.sample_lens, dtype=torch.int32, device=dev),
                 ),
             )
         if self.lean is not None:
@@ -506,21 +545,79 @@ class ModelRunner:
             tokens, logprobs = self._sample_logits(self.model.lm_head(rows), sample_states)
         return self._record(sample_states, tokens), tokens, logprobs
 
+    def _verify(self, rows: torch.Tensor, batch: _Batch) -> tuple[list[int], list[int], list[float] | None, list[int]]:
+        """Samples every row of a step with drafts and keeps, per sequence,
+        its drafts up to the first that differs from the token sampled before
+        it, then that sampled token (after k accepted drafts: a bonus token).
+
+        Row j of a sequence is sampled exactly as the decode step at that
+        position would be: drafts 1..j as history (penalties), output index
+        num_output + j (min_tokens, the seeded uniform draw), grammar mask j.
+        Accepting draft d where the normally sampled token equals d is
+        rejection sampling with a one-point draft distribution: d is kept
+        with probability p(d), and on rejection the token is drawn from p
+        without d, renormalised. So the tokens are those of decoding without
+        drafts, seeded draws included. Returns (seq_ids, token_ids, logprobs
+        or None, tokens per sequence)."""
+        states, pos = batch.sample_states, batch.sample_pos
+        greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
+        picked = greedy_head(rows) if greedy_head is not None and self._greedy(states) else None
+        if picked is not None:
+            tokens, logprobs = picked, None
+        else:
+            tokens, logprobs = self._sample_logits(self.model.lm_head(rows), states, pos)
+        top_rows = self._top
+        self._top = []
+        seq_ids: list[int] = []
+        out: list[int] = []
+        out_lps: list[float] | None = [] if logprobs is not None else None
+        counts: list[int] = []
+        i = 0
+        while i < len(states):
+            seq_id, st = states[i]
+            k = len(st.drafts)
+            a = 0
+            while a < k and tokens[i + a] == st.drafts[a]:
+                a += 1
+            keep = range(i, i + a + 1)
+            emitted = [tokens[r] for r in keep]
+            seq_ids.append(seq_id)
+            counts.append(len(emitted))
+            out.extend(emitted)
+            if out_lps is not None:
+                out_lps.extend(logprobs[r] for r in keep)
+            if top_rows:
+                self._top.extend(top_rows[r] for r in keep)
+            st.token_ids.extend(emitted)
+            st.num_output += len(emitted)
+            if k:
+                st.num_computed += a
+                # Rejected drafts' cache slots are left to be overwritten; the
+                # blocks past the computed tokens go (the router cuts alike).
+                del st.block_table[-(-st.num_computed // self.block_size) :]
+            i += k + 1
+        return seq_ids, out, out_lps, counts
+
     @staticmethod
     def _greedy(states: list[tuple[int, SeqState]]) -> bool:
         """Every row takes its argmax: greedy, unmasked, nothing that reads logits."""
         return greedy_only([st.sampling for _, st in states]) and not any(st.allowed for _, st in states)
 
     def _sample_logits(
-        self, raw: torch.Tensor, states: list[tuple[int, SeqState]]
+        self, raw: torch.Tensor, states: list[tuple[int, SeqState]], pos: list[int] | None = None
     ) -> tuple[list[int], list[float] | None]:
         """The host sampler over the LM head's output `raw` for `states`,
-        after the model's own logit finishing."""
+        after the model's own logit finishing. `pos`: per row, the sampled
+        position after that many of its sequence's drafts (None: all 0)."""
         logits = finish_logits(self.config, raw)
+        pos = pos or [0] * len(states)
         params = [st.sampling for _, st in states]
-        allowed = [st.allowed for _, st in states]
-        hist = [st.token_ids if st.sampling.needs_history else None for _, st in states]
-        outputs = [st.num_output for _, st in states]
+        allowed = [st.mask(j) for (_, st), j in zip(states, pos)]
+        hist = [
+            (st.token_ids + st.drafts[:j] if j else st.token_ids) if st.sampling.needs_history else None
+            for (_, st), j in zip(states, pos)
+        ]
+        outputs = [st.num_output + j for (_, st), j in zip(states, pos)]
         return sample(logits, params, hist, outputs, allowed, top_out=self._top, on_device=self.device_sampling)
 
     @staticmethod

@@ -265,6 +265,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             logprobs=out.logprobs or [],
             forward_seconds=out.forward_seconds,
             step_seconds=out.step_seconds,
+            token_counts=out.token_counts or [],
         )
         for seq_id, reason in out.failed or []:
             result.failed_seq_ids.append(seq_id)

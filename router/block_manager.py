@@ -205,6 +205,20 @@ class BlockManager:
                 blk.block_hash = parent
                 self._cached[parent] = blk.block_id
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Drops req's blocks past the first num_tokens tokens (rejected
+        draft tokens' blocks: never hashed, never shared)."""
+        table = self._tables.get(req.request_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if len(table.block_ids) <= keep:
+            return
+        dropped = _Table(table.block_ids[keep:])
+        del table.block_ids[keep:]
+        del table.hashes[keep:]
+        self._release(dropped)
+
     def free(self, req: Request) -> None:
         """The one release path: drops req's device and host blocks. Safe to
         call twice."""

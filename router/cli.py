@@ -27,6 +27,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (default 8000; 0 = off)")
     p.add_argument("--host", default=None, help="listen address (default 0.0.0.0)")
     p.add_argument("--executor-address", default=None, help="unix:///path or host:port of the executor")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+        "(the config's speculative section; docs/speculative.md)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ message an operator can act on; nothing here asserts on user input.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,6 +236,29 @@ class SchedulerConfig:
     slo: SloConfig = field(default_factory=SloConfig)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys): the router
+    drafts tokens from each sequence's own tokens, the executor verifies them
+    in one forward pass; outputs are those of decoding without it."""
+
+    # ngram (prompt lookup over the sequence's prompt and output) | "" = off.
+    method: str = "ngram"
+    # Most draft tokens proposed for a sequence in one step.
+    num_speculative_tokens: int = 3
+    # ngram: the last n tokens, n from prompt_lookup_max down to
+    # prompt_lookup_min, are looked for earlier in the sequence; what
+    # followed the latest match is the draft.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # No drafts in a step whose batch has at least this many sequences:
+    # there the forward is compute-bound and draft rows cost what they save.
+    disable_by_batch_size: int = 32
+
+
 @dataclass
 class LimitsConfig:
     # Backpressure: beyond these, new requests get RESOURCE_EXHAUSTED at once.
@@ -310,6 +334,7 @@ class ModelConfig:
     executor: dict = field(default_factory=dict)
     scheduler: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)
+    speculative: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -321,6 +346,7 @@ class RouterConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Several models behind one router (empty = the one of `--model`).
     models: list = field(default_factory=list)
 
@@ -339,7 +365,12 @@ def model_config(cfg: RouterConfig, m: ModelConfig, where: str) -> RouterConfig:
     """The whole configuration one model's engine runs with: the top level
     with the entry's sections merged over it."""
     sections = {}
-    for name, cls in (("executor", ExecutorConfig), ("scheduler", SchedulerConfig), ("cache", CacheConfig)):
+    for name, cls in (
+        ("executor", ExecutorConfig),
+        ("scheduler", SchedulerConfig),
+        ("cache", CacheConfig),
+        ("speculative", SpeculativeConfig),
+    ):
         override = getattr(m, name)
         if not isinstance(override, dict):
             raise ConfigError(f"{where}.{name}: expected a mapping, got {type(override).__name__}")
@@ -363,6 +394,21 @@ def _validate_models(cfg: RouterConfig) -> None:
         except ConfigError as exc:
             msg = str(exc)
             raise ConfigError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+
+
+def validate_speculative(sp: SpeculativeConfig, where: str = "speculative") -> None:
+    if sp.method and sp.method not in SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"{where}.method: {sp.method!r} is not one of {', '.join(SPECULATIVE_METHODS)} (or empty: off)"
+        )
+    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+        value = getattr(sp, name)
+        if value < 1:
+            raise ConfigError(f"{where}.{name}: must be >= 1, got {value}")
+    if sp.prompt_lookup_min > sp.prompt_lookup_max:
+        raise ConfigError(
+            f"{where}.prompt_lookup_min: {sp.prompt_lookup_min} is more than prompt_lookup_max ({sp.prompt_lookup_max})"
+        )
 
 
 def validate(cfg: RouterConfig) -> RouterConfig:
@@ -392,6 +438,7 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     if not _plain_name(s.tenant_header):
         raise ConfigError(f"scheduler.tenant_header: {s.tenant_header!r} is not a header name (letters, digits, - _ .)")
     validate_cache(cfg.cache)
+    validate_speculative(cfg.speculative)
     lim = cfg.limits
     for name in (
         "max_queued_requests",
@@ -562,6 +609,13 @@ def apply_overrides(cfg: RouterConfig, args) -> None:
         cfg.server.http_port = args.http_port
     if getattr(args, "host", None):
         cfg.server.host = args.host
+    if getattr(args, "speculative_config", None):
+        try:
+            data = json.loads(args.speculative_config)
+        except ValueError as exc:
+            raise ConfigError(f"--speculative-config: not JSON ({exc})") from None
+        cfg.speculative = build_section(SpeculativeConfig, data, "--speculative-config")
+        validate_speculative(cfg.speculative, "--speculative-config")
     if getattr(args, "executor_address", None):
         if cfg.models:
             raise ConfigError("--executor-address: with `models:` in the config, give each model's executor.address")

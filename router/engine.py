@@ -28,6 +28,7 @@ from router.policies import make_policy
 from router.policies.slo import miss_message, rejects_misses
 from router.request import Finish, Request, Status
 from router.scheduler import Scheduler, SchedulerOutput
+from router.speculative import Speculator
 from router.tenants import OVERFLOW_TENANT
 from router.tokenizer import Tokenizer
 from router.tracing import RequestTracer
@@ -79,6 +80,19 @@ IDLE_CHECK_S = 5.0
 IDLE_CHECK_TIMEOUT_S = 10.0
 # The window of the SLO goodput gauge.
 SLO_GOODPUT_WINDOW_S = 60.0
+
+
+def _spec_fields(req: Request) -> dict:
+    """Speculative decoding's share of a request, for its final log line:
+    drafts verified, draft tokens accepted / proposed, and accepted tokens
+    per draft (the mean accepted length is that + 1 tokens a step)."""
+    if not req.spec_drafts:
+        return {}
+    return {
+        "spec_drafts": req.spec_drafts,
+        "spec_acceptance_rate": round(req.spec_accepted / req.spec_draft_tokens, 3),
+        "spec_mean_accepted_length": round(1 + req.spec_accepted / req.spec_drafts, 3),
+    }
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -271,7 +285,8 @@ class Engine:
         )
         eos = facts.eos_token_ids or self.tokenizer.eos_token_ids
         policy = make_policy(self.cfg.scheduler)
-        self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context)
+        speculator = Speculator(self.cfg.speculative) if self.cfg.speculative.method else None
+        self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context, speculator)
         self._eos_ids = tuple(eos)
         if self.structured is None or self.structured.vocab_size != facts.vocab_size:
             from router.structured import Structured
@@ -452,6 +467,7 @@ class Engine:
                     list(result.token_ids),
                     list(result.logprobs),
                     tops=_tops(result) if result.top_counts else None,
+                    counts=list(result.token_counts) or None,
                 )
                 self._emit(events, out)
                 self._count_service(out, events)
@@ -572,7 +588,7 @@ class Engine:
             if handle is None:
                 continue
             try:
-                handle.detok.add(ev.token_ids)
+                self._detokenize(handle, ev)
                 if handle.detok.stopped and req.finish is None:
                     sched.finish(req, Finish.STOP_SEQUENCE)
                 text = handle.detok.take(final=req.finish is not None)
@@ -610,6 +626,30 @@ class Engine:
                             f"the client did not read its stream ({handle.queue.qsize()} messages waiting)",
                         ),
                     )
+
+    @staticmethod
+    def _detokenize(handle: RequestHandle, ev) -> None:
+        """ev's tokens into the request's text. Several tokens at once (drafts
+        accepted) with stop strings go one by one, and those after the one
+        that completes a stop string are dropped, as decoding one token a
+        step would never have made them."""
+        detok = handle.detok
+        if len(ev.token_ids) == 1 or not detok.stop:
+            detok.add(ev.token_ids)
+            return
+        for i, tok in enumerate(ev.token_ids):
+            detok.add([tok])
+            if detok.stopped:
+                extra = len(ev.token_ids) - i - 1
+                if extra:
+                    req = ev.req
+                    del req.output_token_ids[-extra:]
+                    del ev.token_ids[-extra:]
+                    if ev.logprobs:
+                        del req.output_logprobs[-extra:]
+                        del ev.logprobs[-extra:]
+                    del ev.top[len(ev.token_ids) :]
+                return
 
     def _finish_handle(self, req: Request, delta: Delta) -> None:
         handle = self.handles.pop(req.request_id, None)
@@ -653,6 +693,7 @@ class Engine:
             queue_s=round(req.first_scheduled_time - req.arrival_time, 4) if req.first_scheduled_time else None,
             ttft_s=round(req.first_token_time - req.arrival_time, 4) if req.first_token_time else None,
             e2e_s=round(now - req.arrival_time, 4),
+            **_spec_fields(req),
         )
 
     def count_slo(self, req: Request, outcome: str) -> None:
@@ -754,8 +795,13 @@ class Engine:
             (m.num_swaps, sched.num_swaps),
             (m.prefix_cache_queries, b.prefix_queries),
             (m.prefix_cache_hits, b.prefix_hits),
+            (m.spec_decode_num_drafts, sched.spec_drafts),
+            (m.spec_decode_num_draft_tokens, sched.spec_draft_tokens),
+            (m.spec_decode_num_accepted_tokens, sched.spec_accepted),
         ):
             self._inc_to(counter, total)
+        for pos, total in enumerate(sched.spec_accepted_per_pos):
+            self._inc_to(m.spec_decode_num_accepted_tokens_per_pos.labels(position=str(pos)), total)
 
     def _inc_to(self, counter, total: int) -> None:
         """Advances a Prometheus counter to the scheduler's running total (the

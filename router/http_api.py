@@ -159,6 +159,7 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     slo_class: str | None = None  # scheduler.slo_classes (else the x-slo-class header)
+    speculative: bool | None = None  # false: no speculative decoding for this request
     n: int = 1  # completions per prompt: siblings that share the prompt's KV blocks
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -508,6 +509,7 @@ class ModelApi:
             top_logprobs=top_logprobs,
             cache_salt=body.cache_salt or "",
             prompt_logprobs=body.prompt_logprobs,
+            speculative=body.speculative,
         )
 
     def _logprobs(self, body: _Common) -> tuple[bool, int]:

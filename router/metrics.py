@@ -180,6 +180,25 @@ class Metrics:
         self.executor_up = Gauge(
             "cbserve_executor_up", "1 while the executor is connected", labelnames=_MODEL, registry=r
         )
+        # Speculative decoding, with vLLM's meanings (vllm:spec_decode_*).
+        self.spec_decode_num_drafts = Counter(
+            "cbserve_spec_decode_num_drafts",
+            "Drafts verified (one per sequence and step)",
+            labelnames=_MODEL,
+            registry=r,
+        )
+        self.spec_decode_num_draft_tokens = Counter(
+            "cbserve_spec_decode_num_draft_tokens", "Draft tokens verified", labelnames=_MODEL, registry=r
+        )
+        self.spec_decode_num_accepted_tokens = Counter(
+            "cbserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", labelnames=_MODEL, registry=r
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "cbserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft (0 = first)",
+            labelnames=(*_MODEL, "position"),
+            registry=r,
+        )
         self.executor_restarts = Counter(
             "cbserve_executor_reconnects",
             "Times the router reconnected to a (new) executor",

@@ -37,6 +37,20 @@ def _suppressed(req: Request, eos_token_ids: tuple[int, ...]) -> list[int]:
     return sorted(set(eos) | set(req.stopping.stop_token_ids))
 
 
+def _masks(matcher, drafts: list[int]) -> bytes:
+    """The grammar mask at the sampled position and after each draft; the
+    matcher is left as it was (the drafts are within its grammar: the
+    scheduler validated them)."""
+    if not drafts:
+        return matcher.compute_bitmask()
+    masks = [matcher.compute_bitmask()]
+    for tok in drafts:
+        matcher.consume_token(tok)
+        masks.append(matcher.compute_bitmask())
+    matcher.rollback(len(drafts))
+    return b"".join(masks)
+
+
 def encode_plan(step_id: int, out: SchedulerOutput, eos_token_ids: tuple[int, ...] = ()) -> pb.Plan:
     seqs = []
     for item in out.seqs:
@@ -56,9 +70,12 @@ def encode_plan(step_id: int, out: SchedulerOutput, eos_token_ids: tuple[int, ..
                     num_output_tokens=len(req.output_token_ids),
                 )
             )
+        if item.draft_token_ids:
+            msg.draft_token_ids.extend(item.draft_token_ids)
         if req.matcher is not None and item.num_tokens and req.num_computed_tokens + item.num_tokens >= req.num_tokens:
-            # This step samples the sequence: what its grammar allows next.
-            msg.allowed_tokens = req.matcher.compute_bitmask()
+            # This step samples the sequence: what its grammar allows next
+            # (and after each draft, with the drafts before it consumed).
+            msg.allowed_tokens = _masks(req.matcher, item.draft_token_ids)
         seqs.append(msg)
     return pb.Plan(
         step_id=step_id,

@@ -73,6 +73,14 @@ class Request:
     ttft_deadline: float | None = None
     tpot_s: float | None = None
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
+    # Speculative decoding: false = this request opted out; its draft
+    # search state (router/speculative.py); drafts proposed, draft tokens
+    # proposed and accepted (the final log line).
+    speculative: bool = True
+    spec_index: object = None
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted: int = 0
 
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)

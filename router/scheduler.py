@@ -24,6 +24,7 @@ from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.policies import Policy
 from router.request import Finish, Request, Status
+from router.speculative import Speculator
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -37,6 +38,9 @@ class ScheduledSeq:
     num_prompt_tokens: int
     is_new: bool  # the executor has no state for it yet: send tokens + sampling
     replace_block_table: bool = False
+    # Speculative decoding: tokens proposed after the last one, counted in
+    # num_tokens (router/speculative.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -76,9 +80,22 @@ class TokenEvent:
 
 class Scheduler:
     def __init__(
-        self, cfg: SchedulerConfig, blocks: BlockManager, policy: Policy, eos_token_ids: list[int], max_context: int
+        self,
+        cfg: SchedulerConfig,
+        blocks: BlockManager,
+        policy: Policy,
+        eos_token_ids: list[int],
+        max_context: int,
+        speculator: Speculator | None = None,
     ) -> None:
         self.cfg = cfg
+        self.speculator = speculator
+        # Speculative decoding totals: steps' drafts, draft tokens, accepted
+        # tokens, and accepted tokens by draft position (vLLM's meanings).
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted = 0
+        self.spec_accepted_per_pos: list[int] = []
         self.blocks = blocks
         self.policy = policy
         self.eos = set(eos_token_ids)
@@ -207,6 +224,9 @@ class Scheduler:
         budget = min(budget, self.cfg.max_num_batched_tokens)
         scheduled: set[int] = set()
         memory_preempted = False
+        drafting = self.speculator is not None and self.speculator.drafting(len(self.running))
+        # Running decodes not yet given their token: drafts never take it.
+        decodes_left = sum(1 for r in self.running if not r.is_prefill) if drafting else 0
 
         for req in sorted(self.running, key=self.policy.running_key):
             if req.status != Status.RUNNING:
@@ -214,6 +234,10 @@ class Scheduler:
             if budget <= 0:
                 break
             avail = budget
+            drafts: list[int] = []
+            if drafting and not req.is_prefill:
+                decodes_left -= 1
+                drafts = self._drafts(req, avail - 1 - decodes_left)
             if req.is_prefill:
                 # Decodes first: a prefill chunk leaves one token for every
                 # running decode still to be served in this loop, and what
@@ -223,7 +247,7 @@ class Scheduler:
                     for r in self.running
                     if r is not req and r.seq_id not in scheduled and r.status == Status.RUNNING and not r.is_prefill
                 )
-            n = self._chunk(req.num_uncomputed, avail)
+            n = self._chunk(req.num_uncomputed, avail) + len(drafts)
             if n <= 0:
                 continue
             while True:
@@ -240,7 +264,7 @@ class Scheduler:
             if req.status != Status.RUNNING:
                 continue
             req.pending_block_ids.extend(new)
-            out.seqs.append(self._item(req, n))
+            out.seqs.append(self._item(req, n, drafts))
             scheduled.add(req.seq_id)
             budget -= n
 
@@ -254,12 +278,28 @@ class Scheduler:
         outranks it (else a priority victim would be swapped straight back in)."""
         return self.policy.preemptive and any(self.policy.outranks(w, req) for w in self.waiting)
 
-    def _item(self, req: Request, n: int) -> ScheduledSeq:
+    def _item(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
         prompt = max(0, min(req.num_computed_tokens + n, len(req.prompt_token_ids)) - req.num_computed_tokens)
         item = ScheduledSeq(req, n, req.pending_block_ids, prompt, not req.executor_has_state, req.replace_block_table)
+        if drafts:
+            item.draft_token_ids = drafts
+            item.num_prompt_tokens = 0
         req.pending_block_ids = []
         req.replace_block_table = False
         return item
+
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """Draft tokens for a decoding request, within `room` budget tokens
+        and so that even all of them accepted plus the token sampled after
+        them stay within max_new_tokens and the context."""
+        if self.speculator is None or not req.executor_has_state:
+            return []
+        room = min(
+            room,
+            req.stopping.max_new_tokens - len(req.output_token_ids) - 1,
+            self.max_context - req.num_tokens - 1,
+        )
+        return self.speculator.propose(req, room) if room > 0 else []
 
     def _resume_swapped(self, budget: int, now: float, out: SchedulerOutput, scheduled: set[int]) -> int:
         for req in sorted(self.swapped, key=lambda r: self.policy.waiting_key(r, now)):
@@ -349,6 +389,14 @@ class Scheduler:
             return None
         if len(self.running) > self.cfg.max_num_batched_tokens:
             return None
+        if any(item.draft_token_ids for item in inflight.seqs):
+            return None  # how many tokens each gets is known only from its result
+        if self.speculator is not None and self.speculator.drafting(len(self.running)):
+            # A plan sent ahead cannot carry drafts (they follow the token in
+            # flight): where a sequence has one now, the next step waits.
+            big = self.cfg.max_num_batched_tokens
+            if any(self._drafts(r, big) for r in self.running):
+                return None
         decoding = {
             item.req.seq_id
             for item in inflight.seqs
@@ -382,52 +430,98 @@ class Scheduler:
         logprobs: list[float],
         now: float | None = None,
         tops: list | None = None,
+        counts: list[int] | None = None,
     ) -> list[TokenEvent]:
-        """Applies a step's result; returns the requests that got a token.
-        Token-level stops (EOS, max_new_tokens, context) finish requests here."""
+        """Applies a step's result; returns the requests that got tokens.
+        `counts`: per entry of seq_ids, how many of token_ids are its (one
+        each when None); logprobs and tops are per token. Token-level stops
+        (EOS, max_new_tokens, context, a complete grammar) finish requests
+        here, and tokens after such a stop are dropped."""
         now = time.monotonic() if now is None else now
         # The step's share of the clock: from its plan, or from the previous
         # result when it was planned ahead.
         began = out.scheduled_at if self._last_update is None else max(out.scheduled_at, self._last_update)
         self.policy.on_step(out.num_tokens, now - began)
         self._last_update = now
+        drafted: dict[int, ScheduledSeq] = {}
         for item in out.seqs:
             req = item.req
             if req.status == Status.FINISHED:
                 continue
             req.executor_has_state = True
-            req.num_computed_tokens += item.num_tokens
+            # Drafts count as computed once accepted (below).
+            req.num_computed_tokens += item.num_tokens - len(item.draft_token_ids)
             self.blocks.commit_computed(req)
+            if item.draft_token_ids:
+                drafted[req.seq_id] = item
             if item.num_prompt_tokens:
                 self.policy.on_service(req, item.num_prompt_tokens, 0)
         events = []
-        for i, (seq_id, tok) in enumerate(zip(seq_ids, token_ids)):
+        at = 0
+        for i, seq_id in enumerate(seq_ids):
+            n = counts[i] if counts else 1
+            toks, first = token_ids[at : at + n], at
+            at += n
             req = self.by_seq.get(seq_id)
             if req is None or req.status != Status.RUNNING:
                 continue  # finished or aborted while the step ran
-            req.output_token_ids.append(tok)
-            self.policy.on_service(req, 0, 1)
-            lp = logprobs[i] if logprobs else None
-            if lp is not None and req.sampling.logprobs:
-                req.output_logprobs.append(lp)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            event = TokenEvent(req, [tok], [lp] if lp is not None and req.sampling.logprobs else [])
-            if tops and tops[i] is not None and req.sampling.top_logprobs:
-                event.top = [tops[i]]
+            item = drafted.get(seq_id)
+            if item is not None:
+                self._accepted(req, item, n - 1)
+            event = TokenEvent(req, [], [])
             events.append(event)
-            if req.matcher is not None:
-                req.matcher.consume_token(tok)
-                if req.matcher.is_stopped() or req.matcher.is_error():  # the grammar is complete
-                    self.finish(req, Finish.EOS)
-                    continue
-            stopping = req.stopping
-            early = len(req.output_token_ids) < stopping.min_tokens  # the executor suppressed these; never end here
-            if tok in self.eos and not stopping.ignore_eos and not early:
-                self.finish(req, Finish.EOS)
-            elif tok in stopping.stop_token_ids and not early:
-                self.finish(req, Finish.STOP_SEQUENCE)
-            elif len(req.output_token_ids) >= req.stopping.max_new_tokens or req.num_tokens >= self.max_context:
-                self.finish(req, Finish.LENGTH)
+            for j, tok in enumerate(toks):
+                lp = logprobs[first + j] if logprobs else None
+                top = tops[first + j] if tops else None
+                if self._take_token(req, tok, lp, top, event, now):
+                    break
+            if item is not None:
+                self.blocks.commit_computed(req)  # the accepted drafts' full blocks
         return events
+
+    def _accepted(self, req: Request, item: ScheduledSeq, accepted: int) -> None:
+        """A verified draft: its accepted tokens are computed; the blocks
+        past the computed tokens go, as the executor drops them."""
+        req.num_computed_tokens += accepted
+        self.blocks.truncate(req, req.num_computed_tokens)
+        k = len(item.draft_token_ids)
+        req.spec_drafts += 1
+        req.spec_draft_tokens += k
+        req.spec_accepted += accepted
+        self.spec_drafts += 1
+        self.spec_draft_tokens += k
+        self.spec_accepted += accepted
+        if len(self.spec_accepted_per_pos) < k:
+            self.spec_accepted_per_pos.extend([0] * (k - len(self.spec_accepted_per_pos)))
+        for pos in range(accepted):
+            self.spec_accepted_per_pos[pos] += 1
+
+    def _take_token(self, req: Request, tok: int, lp: float | None, top, event: TokenEvent, now: float) -> bool:
+        """One sampled token into req and its event; True when it ended req."""
+        req.output_token_ids.append(tok)
+        self.policy.on_service(req, 0, 1)
+        if lp is not None and req.sampling.logprobs:
+            req.output_logprobs.append(lp)
+            event.logprobs.append(lp)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        event.token_ids.append(tok)
+        if top is not None and req.sampling.top_logprobs:
+            event.top.append(top)
+        if req.matcher is not None:
+            req.matcher.consume_token(tok)
+            if req.matcher.is_stopped() or req.matcher.is_error():  # the grammar is complete
+                self.finish(req, Finish.EOS)
+                return True
+        stopping = req.stopping
+        early = len(req.output_token_ids) < stopping.min_tokens  # the executor suppressed these; never end here
+        if tok in self.eos and not stopping.ignore_eos and not early:
+            self.finish(req, Finish.EOS)
+        elif tok in stopping.stop_token_ids and not early:
+            self.finish(req, Finish.STOP_SEQUENCE)
+        elif len(req.output_token_ids) >= req.stopping.max_new_tokens or req.num_tokens >= self.max_context:
+            self.finish(req, Finish.LENGTH)
+        else:
+            return False
+        return True

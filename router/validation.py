@@ -297,4 +297,5 @@ def build_request(
         expected_output_tokens=expected,
         cache_salt=msg.cache_salt,
         deadline=deadline,
+        speculative=msg.speculative if msg.HasField("speculative") else True,
     )

@@ -115,6 +115,8 @@ async def _drain(handle) -> list[int]:
 async def _arrival_during_decode(lead_ms: float) -> tuple[int, float, Engine, TimedExecutor]:
     cfg = RouterConfig()
     cfg.scheduler.pipeline_lead_ms = lead_ms
+    # Plans sent ahead carry no drafts: speculation would hold them back.
+    cfg.speculative.method = ""
     fake = TimedExecutor()
     eng = Engine(cfg, load_tokenizer("tiny"), Metrics(), client=fake)
     eng.start()

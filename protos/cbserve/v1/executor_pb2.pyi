@@ -107,20 +107,22 @@ class NewSeq(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SeqSampling, _Mapping]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduledSeq(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "new", "replace_block_table", "allowed_tokens")
+    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "new", "replace_block_table", "allowed_tokens", "draft_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_FIELD_NUMBER: _ClassVar[int]
     REPLACE_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     new: NewSeq
     replace_block_table: bool
     allowed_tokens: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new: _Optional[_Union[NewSeq, _Mapping]] = ..., replace_block_table: _Optional[bool] = ..., allowed_tokens: _Optional[bytes] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new: _Optional[_Union[NewSeq, _Mapping]] = ..., replace_block_table: _Optional[bool] = ..., allowed_tokens: _Optional[bytes] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
@@ -145,7 +147,7 @@ class Plan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[ScheduledSeq, _Mapping]]] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "step_seconds", "top_counts", "top_token_ids", "top_logprobs", "failed_seq_ids", "failed_reasons", "prompt_logprobs")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "step_seconds", "top_counts", "top_token_ids", "top_logprobs", "failed_seq_ids", "failed_reasons", "prompt_logprobs", "token_counts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,7 @@ class StepResult(_message.Message):
     FAILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REASONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -170,7 +173,8 @@ class StepResult(_message.Message):
     failed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     failed_reasons: _containers.RepeatedScalarFieldContainer[str]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failed_reasons: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failed_reasons: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., token_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "first", "logprobs", "ranks", "top_token_ids", "top_logprobs")

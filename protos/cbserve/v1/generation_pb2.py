@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x62serve/v1/generation.proto\x12\ncbserve.v1\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12(\n\ntool_calls\x18\x05 \x03(\x0b\x32\x14.cbserve.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.cbserve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).cbserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"x\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\"\x94\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.cbserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.cbserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.cbserve.v1.SamplingParams\x12.\n\x08stopping\x18\x06 \x01(\x0b\x32\x1c.cbserve.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12#\n\x16\x65xpected_output_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x30\n\nstructured\x18\x0b \x01(\x0b\x32\x1c.cbserve.v1.StructuredOutput\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\t\n\x01n\x18\r \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\r\n\x05model\x18\x0f \x01(\t\x12\x11\n\tslo_class\x18\x10 \x01(\tB\x07\n\x05inputB\x19\n\x17_expected_output_tokensB\x12\n\x10_prompt_logprobs\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x13.cbserve.v1.ChoicesH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xcd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.cbserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.cbserve.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.cbserve.v1.TopLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\x12-\n\x07\x63hoices\x18\t \x03(\x0b\x32\x1c.cbserve.v1.GenerateResponse\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.cbserve.v1.PromptLogprob\"m\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"g\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.cbserve.v1.ChatMessagesH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xf6\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\t \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\x12\x0e\n\x06models\x18\x0b \x03(\t*d\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x07\n\x03\x45OS\x10\x02\x12\x11\n\rSTOP_SEQUENCE\x10\x03\x12\r\n\tCANCELLED\x10\x04\x32\xad\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.cbserve.v1.GenerateRequest\x1a\x1c.cbserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.cbserve.v1.GenerateRequest\x1a\x1c.cbserve.v1.GenerateResponse\x12\x45\n\x08Tokenize\x12\x1b.cbserve.v1.TokenizeRequest\x1a\x1c.cbserve.v1.TokenizeResponse\x12H\n\tModelInfo\x12\x1c.cbserve.v1.ModelInfoRequest\x1a\x1d.cbserve.v1.ModelInfoResponseB\x16Z\x14\x63\x62serve/v1;cbservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x62serve/v1/generation.proto\x12\ncbserve.v1\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12(\n\ntool_calls\x18\x05 \x03(\x0b\x32\x14.cbserve.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.cbserve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).cbserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"x\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\"\xbe\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.cbserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.cbserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.cbserve.v1.SamplingParams\x12.\n\x08stopping\x18\x06 \x01(\x0b\x32\x1c.cbserve.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12#\n\x16\x65xpected_output_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x30\n\nstructured\x18\x0b \x01(\x0b\x32\x1c.cbserve.v1.StructuredOutput\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\t\n\x01n\x18\r \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\r\n\x05model\x18\x0f \x01(\t\x12\x11\n\tslo_class\x18\x10 \x01(\t\x12\x18\n\x0bspeculative\x18\x11 \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05inputB\x19\n\x17_expected_output_tokensB\x12\n\x10_prompt_logprobsB\x0e\n\x0c_speculative\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x13.cbserve.v1.ChoicesH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xcd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.cbserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.cbserve.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.cbserve.v1.TopLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\x12-\n\x07\x63hoices\x18\t \x03(\x0b\x32\x1c.cbserve.v1.GenerateResponse\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.cbserve.v1.PromptLogprob\"m\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"g\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.cbserve.v1.ChatMessagesH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xf6\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\t \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\x12\x0e\n\x06models\x18\x0b \x03(\t*d\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x07\n\x03\x45OS\x10\x02\x12\x11\n\rSTOP_SEQUENCE\x10\x03\x12\r\n\tCANCELLED\x10\x04\x32\xad\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.cbserve.v1.GenerateRequest\x1a\x1c.cbserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.cbserve.v1.GenerateRequest\x1a\x1c.cbserve.v1.GenerateResponse\x12\x45\n\x08Tokenize\x12\x1b.cbserve.v1.TokenizeRequest\x1a\x1c.cbserve.v1.TokenizeResponse\x12H\n\tModelInfo\x12\x1c.cbserve.v1.ModelInfoRequest\x1a\x1d.cbserve.v1.ModelInfoResponseB\x16Z\x14\x63\x62serve/v1;cbservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z\024cbserve/v1;cbservev1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2508
-  _globals['_FINISHREASON']._serialized_end=2608
+  _globals['_FINISHREASON']._serialized_start=2550
+  _globals['_FINISHREASON']._serialized_end=2650
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=165
   _globals['_TOOLCALL']._serialized_start=167
@@ -51,27 +51,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIA']._serialized_start=635
   _globals['_STOPPINGCRITERIA']._serialized_end=755
   _globals['_GENERATEREQUEST']._serialized_start=758
-  _globals['_GENERATEREQUEST']._serialized_end=1290
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1293
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1446
-  _globals['_CHOICES']._serialized_start=1448
-  _globals['_CHOICES']._serialized_end=1474
-  _globals['_USAGE']._serialized_start=1476
-  _globals['_USAGE']._serialized_end=1563
-  _globals['_GENERATERESPONSE']._serialized_start=1566
-  _globals['_GENERATERESPONSE']._serialized_end=1899
-  _globals['_PROMPTLOGPROB']._serialized_start=1901
-  _globals['_PROMPTLOGPROB']._serialized_end=2010
-  _globals['_TOPLOGPROBS']._serialized_start=2012
-  _globals['_TOPLOGPROBS']._serialized_end=2062
-  _globals['_TOKENIZEREQUEST']._serialized_start=2064
-  _globals['_TOKENIZEREQUEST']._serialized_end=2167
-  _globals['_TOKENIZERESPONSE']._serialized_start=2169
-  _globals['_TOKENIZERESPONSE']._serialized_end=2222
-  _globals['_MODELINFOREQUEST']._serialized_start=2224
-  _globals['_MODELINFOREQUEST']._serialized_end=2257
-  _globals['_MODELINFORESPONSE']._serialized_start=2260
-  _globals['_MODELINFORESPONSE']._serialized_end=2506
-  _globals['_GENERATION']._serialized_start=2611
-  _globals['_GENERATION']._serialized_end=2912
+  _globals['_GENERATEREQUEST']._serialized_end=1332
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1335
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1488
+  _globals['_CHOICES']._serialized_start=1490
+  _globals['_CHOICES']._serialized_end=1516
+  _globals['_USAGE']._serialized_start=1518
+  _globals['_USAGE']._serialized_end=1605
+  _globals['_GENERATERESPONSE']._serialized_start=1608
+  _globals['_GENERATERESPONSE']._serialized_end=1941
+  _globals['_PROMPTLOGPROB']._serialized_start=1943
+  _globals['_PROMPTLOGPROB']._serialized_end=2052
+  _globals['_TOPLOGPROBS']._serialized_start=2054
+  _globals['_TOPLOGPROBS']._serialized_end=2104
+  _globals['_TOKENIZEREQUEST']._serialized_start=2106
+  _globals['_TOKENIZEREQUEST']._serialized_end=2209
+  _globals['_TOKENIZERESPONSE']._serialized_start=2211
+  _globals['_TOKENIZERESPONSE']._serialized_end=2264
+  _globals['_MODELINFOREQUEST']._serialized_start=2266
+  _globals['_MODELINFOREQUEST']._serialized_end=2299
+  _globals['_MODELINFORESPONSE']._serialized_start=2302
+  _globals['_MODELINFORESPONSE']._serialized_end=2548
+  _globals['_GENERATION']._serialized_start=2653
+  _globals['_GENERATION']._serialized_end=2954
 # @@protoc_insertion_point(module_scope)
