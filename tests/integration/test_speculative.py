@@ -175,3 +175,51 @@ def test_a_bad_speculative_config_exits_2_naming_the_key(spec, message):
     )
     assert proc.returncode == 2
     assert message in proc.stderr + proc.stdout
+
+
+def test_preemption_chunked_prefill_and_opt_outs_keep_the_outputs():
+    """A pool of 12 blocks (preemption by recompute, then swap), a budget that
+    chunks prompts, concurrent requests of which half opt out: the greedy
+    tokens equal the same load's without speculation."""
+    from tests.integration.helpers import gen_request, wait_idle
+    from tests.integration.test_prefix_cache import MAX_NEW, PRESSURE
+    from tests.integration.test_scheduling import BLOCK_BYTES_TINY_FP32, reconfigure, run_concurrent
+
+    cfg = {
+        "cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32},
+        "scheduler": {"max_num_batched_tokens": 48, "max_num_seqs": 16},
+    }
+    results = {}
+    for method in ("", "ngram"):
+        server = start_server("tiny", config={**cfg, "speculative": {"method": method, "prompt_lookup_min": 1}})
+        try:
+            for mode in ("recompute", "swap"):
+                reconfigure(server, {**cfg["scheduler"], "policy": "fcfs", "preemption_mode": mode})
+                reqs = {
+                    k: gen_request(ids, max_new=MAX_NEW[k], speculative=i % 2 == 0)
+                    for i, (k, ids) in enumerate(PRESSURE.items())
+                }
+                results[(method, mode)] = {k: r["ids"] for k, r in run_concurrent(server, reqs).items()}
+                m = wait_idle(server)
+                assert m["cbserve_num_preemptions_total"] > 0
+            if method:
+                assert m["cbserve_spec_decode_num_accepted_tokens_total"] > 0
+        finally:
+            server.stop()
+    for mode in ("recompute", "swap"):
+        assert results[("ngram", mode)] == results[("", mode)], mode
+
+
+def test_a_deadline_in_the_middle_of_drafted_steps_leaks_no_block(servers):
+    import grpc
+
+    from tests.integration.helpers import gen_request, stub
+
+    on, _ = servers
+    with on.channel() as ch:
+        for timeout in (0.05, 0.1, 0.2):
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stub(ch).Generate(gen_request(PROMPTS[1], max_new=2000), timeout=timeout):
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _idle_blocks(on) == 0
