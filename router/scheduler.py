@@ -150,6 +150,8 @@ class Scheduler:
         req.pending_block_ids = []
         req.status = Status.FINISHED
         req.finish = reason
+        if self.speculator is not None:
+            self.speculator.finished(req)
         self.by_seq.pop(req.seq_id, None)
         self.policy.on_finished(req)
 

@@ -132,6 +132,23 @@ def test_structured_streamed_and_n_outputs_are_those_without_speculation(servers
     assert _idle_blocks(on) == 0
 
 
+def test_suffix_decoding_gives_the_same_outputs(servers):
+    """method: suffix, drawing on its own tokens and on earlier requests'
+    outputs (the same prompts twice: the second time the cache has them)."""
+    _, off = servers
+    section = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 2.0}
+    suffix = start_server("tiny", config={"speculative": section})
+    try:
+        for case in ("greedy", "seeded", "min_tokens"):
+            for prompt in PROMPTS + PROMPTS:
+                assert _complete(suffix, prompt, **CASES[case])[:3] == _complete(off, prompt, **CASES[case])[:3]
+        drafts, accepted = _spec_counts(suffix)
+        assert drafts > 0 and accepted > 0
+        assert _idle_blocks(suffix) == 0
+    finally:
+        suffix.stop()
+
+
 def test_a_request_can_opt_out(servers):
     on, _ = servers
     drafts = lambda: on.metrics().get("cbserve_spec_decode_num_drafts_total", 0.0)  # noqa: E731
@@ -159,7 +176,11 @@ def test_a_cancelled_stream_with_drafts_in_flight_leaks_no_block(servers):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ('{"method": "medusa"}', "--speculative-config.method: 'medusa' is not one of ngram"),
+        ('{"method": "medusa"}', "--speculative-config.method: 'medusa' is not one of ngram, suffix"),
+        (
+            '{"method": "suffix", "suffix_decoding_min_token_prob": 2}',
+            "suffix_decoding_min_token_prob: must be in [0, 1]",
+        ),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: must be >= 1"),
         ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min: 4 is more than"),
         ("{method: ngram}", "--speculative-config: not JSON"),

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.config import ConfigError, SpeculativeConfig, config_from_dict
 from router.scheduler import SchedulerOutput
-from router.speculative import NgramIndex, Speculator
+from router.speculative import NgramIndex, Speculator, suffix_draft
 from tests.router.router_factories import EOS, FIRST_TOKEN, create_scheduler, make_request
 
 
@@ -206,7 +206,11 @@ def test_an_ngram_draft_continues_the_latest_earlier_match_of_the_longest_suffix
 @pytest.mark.parametrize(
     "section, message",
     [
-        ({"method": "eagle"}, "speculative.method: 'eagle' is not one of ngram"),
+        ({"method": "eagle"}, "speculative.method: 'eagle' is not one of ngram, suffix"),
+        (
+            {"method": "suffix", "suffix_decoding_max_tree_depth": 0},
+            "speculative.suffix_decoding_max_tree_depth: must be",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens: must be >= 1"),
         (
             {"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3},
@@ -218,3 +222,78 @@ def test_an_ngram_draft_continues_the_latest_earlier_match_of_the_longest_suffix
 def test_a_bad_speculative_section_is_refused_naming_the_key(section, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         config_from_dict({"speculative": section})
+
+
+# -- suffix ------------------------------------------------------------------------
+def _suffix(**kw) -> Speculator:
+    return Speculator(SpeculativeConfig(method="suffix", **kw))
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_suffix_drafted_outputs_equal_plain_ones_in_fewer_steps(k):
+    plain, spec = VerifyingExecutor(), VerifyingExecutor()
+    a, b = create_scheduler(block_size=4), create_scheduler(block_size=4)
+    b.speculator = _suffix(num_speculative_tokens=k)
+    ra, rb = _requests(5), _requests(5)
+    _run(a, ra, plain)
+    _run(b, rb, spec)
+    assert [r.output_token_ids for r in rb] == [r.output_token_ids for r in ra]
+    assert spec.steps < plain.steps and b.spec_accepted > 0
+    assert b.blocks.num_used_blocks == 0
+    assert len(b.speculator.cache.texts) == 5  # every finished output went into the cache
+
+
+def test_suffix_draws_on_other_requests_outputs():
+    spec = _suffix(num_speculative_tokens=6, suffix_decoding_max_spec_factor=2.0)
+    earlier = [FIRST_TOKEN + t for t in (40, 41, 42, 43, 44, 45, 46, 47, 48, 49)]
+    done = make_request([1, 2, 3], 10)
+    done.output_token_ids = earlier
+    spec.finished(done)
+    req = make_request([FIRST_TOKEN + 7, FIRST_TOKEN + 8] + earlier[:4], 20)  # nothing of it repeats itself
+    req.executor_has_state = True
+    assert spec.propose(req, 6) == earlier[4:10]  # match of 4 tokens x factor 2, capped at k = 6
+
+
+def test_suffix_follows_the_most_frequent_continuation_while_it_is_likely():
+    cfg = SpeculativeConfig(method="suffix", suffix_decoding_min_token_prob=0.3)
+    text = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3, 9, 5]
+    occ = [(text, e) for e in (2, 6, 10, 14)]  # the ends of "1 2 3"
+    draft, score = suffix_draft(occ, 3, cfg, 5)
+    # 9 follows 3 of 4 times (p 0.75), then 1 or 5 (p 0.75 x 2/3 = 0.5), then
+    # 2 (0.5), 3 (0.5), then 7 or 9 once each: 0.25 < 0.3 stops.
+    assert draft == [9, 1, 2]  # capped at factor 1.0 x match 3
+    assert score == pytest.approx(0.75 + 0.5 + 0.5)
+
+
+def test_the_suffix_cache_is_bounded_and_its_index_has_no_stale_entry():
+    from router.speculative import SuffixCache
+
+    cache = SuffixCache(max_requests=3, max_tokens=50)
+    rng = random.Random(1)
+    for _ in range(20):
+        cache.add([rng.randrange(6) for _ in range(rng.randrange(4, 30))])
+        assert len(cache.texts) <= 3 and cache.num_tokens <= 50
+        live = {k: t for k, t in cache.texts.items()}
+        for run, at in cache.index.items():
+            assert at, run
+            for key, end in at:
+                assert tuple(live[key][end - 2 : end + 1]) == run and end + 1 < len(live[key])
+
+
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=50), st.integers(1, 8))
+@settings(max_examples=200, deadline=None)
+def test_the_longest_suffix_and_its_occurrences_are_found(tokens, depth):
+    from router.speculative import _longest_suffix
+
+    index = NgramIndex()
+    index.sync(tokens, [])
+    match, occ = _longest_suffix(index, depth)
+    n = len(tokens)
+
+    def ends(m):  # where an earlier copy of the last m tokens ends
+        return [e for e in range(m - 1, n - 1) if tokens[e - m + 1 : e + 1] == tokens[n - m :]]
+
+    want = max((m for m in range(1, min(depth, n - 1) + 1) if ends(m)), default=0)
+    assert match == want
+    if want:
+        assert sorted(e for _, e in occ) == sorted(ends(want))[-len(occ) :]
