@@ -30,6 +30,10 @@ from executor.sampler import SamplingParams, greedy_only, sample
 
 _LOGGER = structlog.get_logger(__name__)
 
+# native/csrc/kernels.h kDecodeMaxRows: attention items of at most this many
+# rows (query tokens x query heads per KV head) take the decode path.
+DECODE_ITEM_ROWS = 16
+
 
 @dataclass
 class StepOutput:
@@ -71,7 +75,7 @@ class _Batch:
     positions: torch.Tensor  # [T] long
     meta: attention.AttnMetadata
     sample_rows: torch.Tensor  # [S] long: the rows whose next token is sampled
-    sample_seqs: list[int]  # [S]: those rows' sequences, as indices into the scheduled list
+    sample_seqs: list[int]  # [S]: those rows' queries, as indices into the cu_seqlens entries
     sample_states: list[tuple[int, SeqState]]  # [S]: (seq_id, state) of those sequences
     # [S]: each sampled row's position among its sequence's sampled rows
     # (0, or 0..k for a sequence with k drafts), and its query's length.
@@ -174,6 +178,11 @@ class ModelRunner:
         # The longest sequence served: the model's context, or less (--max-model-len).
         self.max_context = max_model_len or model_len
         self.vocab_size = int(cfg.vocab_size)
+        # Draft rows per attention query: the rows of an item (tokens x the
+        # query heads of a KV head) stay within the decode path's
+        # kDecodeMaxRows (native/csrc/kernels.h).
+        group = max(1, cfg.num_attention_heads // getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
+        self.draft_q_len = max(1, DECODE_ITEM_ROWS // group)
         self._dropped: set[int] = set()  # sequences refused alone, until the router frees them
         self._failed: list = []
         self._top: list = []
@@ -372,11 +381,12 @@ class ModelRunner:
         cu = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
-        sample_seqs: list[int] = []  # their sequences' indices in `scheduled`
+        sample_seqs: list[int] = []  # their queries' indices (cu_seqlens entries)
         sample_states: list[tuple[int, SeqState]] = []
         sample_pos: list[int] = []
         sample_lens: list[int] = []
         prompt_rows: list[tuple[int, SeqState, int, int, int]] = []
+        seg_tables: list[list[int]] = []  # per query (cu_seqlens entry), its block table
         bs = self.block_size
         max_blocks = 1
         for seq_id, n, st in scheduled:
@@ -393,30 +403,39 @@ class ModelRunner:
                 rng = range(start, end)
                 positions.extend(rng)
                 slots.extend(table[p // bs] * bs + p % bs for p in rng)
-            cu.append(cu[-1] + n)
-            seq_lens.append(end)
+            row0, seg0 = cu[-1], len(seq_lens)
+            k = len(st.drafts)
+            # A drafted sequence's rows go as queries of at most draft_q_len
+            # tokens: each an attention item of the decode path, whose
+            # numerics are those of a one-token decode (a wider item takes
+            # the tiled path, which rounds differently and could change a
+            # near-tie). Every other sequence is one query.
+            seg = self.draft_q_len if k else n
+            for s0 in range(start, end, seg):
+                s1 = min(end, s0 + seg)
+                cu.append(cu[-1] + s1 - s0)
+                seq_lens.append(s1)
+                seg_tables.append(table)
             max_blocks = max(max_blocks, len(table))
             if st.sampling.prompt_logprobs and start < st.num_prompt - 1:
                 # Row p predicts prompt token p + 1: rows up to the prompt's second-to-last token.
                 count = min(end, st.num_prompt - 1) - start
-                prompt_rows.append((seq_id, st, cu[-2], start + 1, count))
-            k = len(st.drafts)
+                prompt_rows.append((seq_id, st, row0, start + 1, count))
             if end - k == len(st.token_ids):
-                # The last known token's row, then each draft's: one query,
-                # each row seeing the positions up to its own.
+                # The last known token's row, then each draft's, each row
+                # seeing the positions up to its own.
                 for j in range(k + 1):
-                    sample_rows.append(cu[-1] - 1 - k + j)
-                    sample_seqs.append(len(seq_lens) - 1)
+                    r = n - 1 - k + j  # the row within the sequence
+                    sample_rows.append(row0 + r)
+                    sample_seqs.append(seg0 + r // seg)
                     sample_states.append((seq_id, st))
                     sample_pos.append(j)
-                    sample_lens.append(end - k + j)
+                    sample_lens.append(start + r + 1)
         if max(seq_lens) > self.max_context:
             raise PlanError(f"a sequence reaches {max(seq_lens)} tokens, beyond the context {self.max_context}")
 
         # One tensor from one padded list, not a copy per row.
-        tables = torch.tensor(
-            [st.block_table + [0] * (max_blocks - len(st.block_table)) for _, _, st in scheduled], dtype=torch.int32
-        )
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in seg_tables], dtype=torch.int32)
         dev = self.device
         # The GPU lean forward's kernels index with int32.
         index = torch.int32 if self.gpu is not None else torch.int64
@@ -442,7 +461,7 @@ class ModelRunner:
             sample_states=sample_states,
             sample_pos=sample_pos,
             sample_lens=sample_lens,
-            max_q_len=max(n for _, n, _ in scheduled),
+            max_q_len=max(b - a for a, b in zip(cu, cu[1:])),
             prompt_rows=prompt_rows,
             rope_lengths=self._rope_lengths(scheduled) if self.longrope is not None else None,
         )

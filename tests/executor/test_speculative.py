@@ -11,6 +11,7 @@ import torch
 from cbserve.v1 import executor_pb2 as pb
 from executor import model_loader, model_source
 from executor.runner import ModelRunner
+from tests.executor.helpers import needs_bf16
 from tests.small_configs import ARCHS
 
 BS = 4  # small blocks: drafts cross block boundaries often
@@ -323,3 +324,19 @@ def test_the_verified_tokens_follow_the_model_distribution(runner):
     assert 0.1 * n < first[d1] < n  # d1 kept often, not always
     check(first, p0)
     check(second, p1)
+
+
+@needs_bf16
+@pytest.mark.parametrize("k", [3, 10])
+def test_bf16_drafts_give_bit_identical_logprobs(k):
+    """bf16 on the lean forward: the draft rows' logprobs equal one-token
+    decoding's to the bit, also for drafts longer than one decode-path
+    attention item (they are split into queries of draft_q_len rows)."""
+    bf16 = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.bfloat16), BS, 128)
+    assert bf16.lean is not None and (k == 3 or k + 1 > bf16.draft_q_len)  # 10: more than one item
+    sampling = pb.SeqSampling(logprobs=True, top_logprobs=4)
+    plain = _decode(bf16, sampling)
+    spec = _decode(bf16, sampling, lambda out: plain.out[len(out) : len(out) + k])
+    assert spec.out == plain.out
+    assert spec.lps == plain.lps  # exactly
+    assert spec.tops == plain.tops
