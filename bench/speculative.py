@@ -52,9 +52,11 @@ LLAMA_SPEC_ARGS = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-
 
 
 def passages(path: Path, n: int, words: int = 200) -> list[str]:
-    """n distinct passages of `words` words from the text (about 250-350
-    tokens each for English prose)."""
-    text = " ".join(path.read_text(encoding="utf-8").split())
+    """n passages of `words` words from the text (a file, or every .md file
+    of a directory), overlapping only when the text is too short (about
+    250-350 tokens each for English prose)."""
+    files = sorted(path.glob("*.md")) if path.is_dir() else [path]
+    text = " ".join(" ".join(f.read_text(encoding="utf-8").split()) for f in files)
     ws = [w for w in text.split(" ") if w and not w.startswith(("|", "`", "#", "!", "["))]
     step = max(1, (len(ws) - words) // max(1, n))
     return [" ".join(ws[i * step : i * step + words]) for i in range(n)]
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16, help="requests per task, concurrency and round")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--text", default=str(REPO / "docs" / "architecture.md"), help="where the passages come from")
+    p.add_argument("--text", default=str(REPO / "docs"), help="where the passages come from (a file or a directory)")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: the peer")
     p.add_argument("--gguf", default=None, help="the GGUF file it serves (default: SmolLM2's own, Q4_1)")
     p.add_argument("--llama-spec-args", default=LLAMA_SPEC_ARGS)
@@ -245,7 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     specs = [json.loads(s) for s in args.spec or ["{}"]]
     levels = [int(x) for x in args.concurrency.split(",")]
     tasks = [t for t in args.tasks.split(",") if t]
-    texts = passages(Path(args.text), args.requests)
+    # Every (round, task, concurrency) cell asks about passages of its own,
+    # and its random prompts are its own: no output is in a suffix cache
+    # from an earlier cell (the systems of one cell get the same requests).
+    cells = [(rnd, task, c) for rnd in range(args.rounds) for task in tasks for c in levels]
+    texts_of = {cell: i for i, cell in enumerate(c for c in cells if c[1] in ("rewrite", "quote"))}
+    pool = passages(Path(args.text), args.requests * max(1, len(texts_of)))
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     # (name, url, metrics url or None, model name, plain system's index)
@@ -281,23 +288,23 @@ def main(argv: list[str] | None = None) -> int:
                 s[3] = httpx.get(s[1] + "/v1/models", timeout=30).json()["data"][0]["id"]
         runs: dict = {}  # (task, c, system) -> [(wall, results)]
         counts: dict = {}  # (task, c, system) -> (drafts, proposed, accepted)
-        for rnd in range(args.rounds):
-            for task in tasks:
-                reqs = bodies(task, texts, args.max_tokens, seed=rnd)
-                for c in levels:
-                    order = list(range(len(systems)))
-                    for si in order if rnd % 2 == 0 else order[::-1]:
-                        name, url, murl, model, _ = systems[si]
-                        before = cbserve_counters(murl) if murl else None
-                        wall, res = asyncio.run(drive(url, [{**b, "model": model} for b in reqs], c, murl is not None))
-                        if murl:
-                            got = tuple(a - b for a, b in zip(cbserve_counters(murl), before))
-                        else:
-                            ds = [x["drafts"] for x in res if x["drafts"]]
-                            got = (0, sum(d[0] for d in ds), sum(d[1] for d in ds))
-                        runs.setdefault((task, c, si), []).append((wall, res))
-                        old = counts.get((task, c, si), (0, 0, 0))
-                        counts[(task, c, si)] = tuple(a + b for a, b in zip(old, got))
+        for ci, (rnd, task, c) in enumerate(cells):
+            at = texts_of.get((rnd, task, c), 0) * args.requests
+            texts = pool[at : at + args.requests]
+            reqs = bodies(task, texts, args.max_tokens, seed=ci)
+            order = list(range(len(systems)))
+            for si in order if rnd % 2 == 0 else order[::-1]:
+                name, url, murl, model, _ = systems[si]
+                before = cbserve_counters(murl) if murl else None
+                wall, res = asyncio.run(drive(url, [{**b, "model": model} for b in reqs], c, murl is not None))
+                if murl:
+                    got = tuple(a - b for a, b in zip(cbserve_counters(murl), before))
+                else:
+                    ds = [x["drafts"] for x in res if x["drafts"]]
+                    got = (0, sum(d[0] for d in ds), sum(d[1] for d in ds))
+                runs.setdefault((task, c, si), []).append((wall, res))
+                old = counts.get((task, c, si), (0, 0, 0))
+                counts[(task, c, si)] = tuple(a + b for a, b in zip(old, got))
         rows = []
         for (task, c, si), rs in runs.items():
             plain = runs[(task, c, systems[si][4])]

@@ -75,36 +75,38 @@ class NgramIndex:
 
 # suffix: at most this many occurrences of the matched suffix are read (the
 # latest), and the cache of other requests' outputs holds at most this many
-# tokens beside suffix_decoding_max_cached_requests (memory bound: ~60 bytes a
-# token with its index).
+# tokens beside suffix_decoding_max_cached_requests (memory: about 100 bytes
+# a token with its index).
 MAX_OCCURRENCES = 64
-SUFFIX_CACHE_MAX_TOKENS = 1 << 20
+SUFFIX_CACHE_MAX_TOKENS = 1 << 18
 _GRAM = 3  # the cache's index: every 3-token run, to where it ends
 
 
 class SuffixCache:
     """Recent requests' outputs for `suffix` to draw from: each kept as
-    tokens, with an index from every 3-token run to the (output, end) pairs
-    where it occurs (the latest MAX_OCCURRENCES per run). Bounded by
-    requests and tokens; the oldest output goes first."""
+    int32 tokens, with an index from (scope, every 3-token run) to the
+    (output, end) pairs where it occurs (the latest MAX_OCCURRENCES per
+    run). A scope (the tenant) sees only its own outputs: as the prefix
+    cache, nothing crosses tenants, not even as speed. Bounded by requests
+    and tokens over all scopes; the oldest output goes first."""
 
     def __init__(self, max_requests: int, max_tokens: int = SUFFIX_CACHE_MAX_TOKENS) -> None:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
-        self.texts: dict[int, list[int]] = {}  # insertion order = age
-        self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self.texts: dict[int, tuple[str, array]] = {}  # key -> (scope, tokens); insertion order = age
+        self.index: dict[tuple, list[tuple[int, int]]] = {}
         self.num_tokens = 0
         self._next = 0
 
-    def add(self, tokens: list[int]) -> None:
+    def add(self, tokens: list[int], scope: str = "") -> None:
         if self.max_requests <= 0 or len(tokens) <= _GRAM:
             return
         key = self._next
         self._next += 1
-        self.texts[key] = tokens = list(tokens)
+        self.texts[key] = (scope, array("i", tokens))
         self.num_tokens += len(tokens)
         for end in range(_GRAM - 1, len(tokens) - 1):  # runs with a token after them
-            at = self.index.setdefault(tuple(tokens[end - _GRAM + 1 : end + 1]), [])
+            at = self.index.setdefault((scope, *tokens[end - _GRAM + 1 : end + 1]), [])
             at.append((key, end))
             if len(at) > MAX_OCCURRENCES:
                 del at[0]
@@ -112,10 +114,10 @@ class SuffixCache:
             self._evict(next(iter(self.texts)))
 
     def _evict(self, key: int) -> None:
-        tokens = self.texts.pop(key)
+        scope, tokens = self.texts.pop(key)
         self.num_tokens -= len(tokens)
         for end in range(_GRAM - 1, len(tokens) - 1):
-            run = tuple(tokens[end - _GRAM + 1 : end + 1])
+            run = (scope, *tokens[end - _GRAM + 1 : end + 1])
             at = self.index.get(run)
             if at is None:
                 continue
@@ -123,15 +125,15 @@ class SuffixCache:
             if not at:
                 del self.index[run]
 
-    def occurrences(self, context: list[int], depth: int) -> tuple[int, list[tuple[list[int], int]]]:
+    def occurrences(self, context: list[int], depth: int, scope: str = "") -> tuple[int, list[tuple[array, int]]]:
         """The longest suffix of `context` (up to `depth` tokens, at least 3)
-        found in the cache: its length and its occurrences (text, end)."""
+        found in the scope's outputs: its length and its occurrences (text, end)."""
         if len(context) < _GRAM:
             return 0, []
-        found: list[tuple[list[int], int]] = []
+        found: list[tuple[array, int]] = []
         best = 0
-        for key, end in self.index.get(tuple(context[-_GRAM:]), ()):
-            text = self.texts[key]
+        for key, end in self.index.get((scope, *context[-_GRAM:]), ()):
+            text = self.texts[key][1]
             m = _GRAM
             while m < depth and m < len(context) and end - m >= 0 and text[end - m] == context[-1 - m]:
                 m += 1
@@ -142,7 +144,7 @@ class SuffixCache:
         return best, found
 
 
-def _longest_suffix(index: NgramIndex, depth: int) -> tuple[int, list[tuple[list[int], int]]]:
+def _longest_suffix(index: NgramIndex, depth: int) -> tuple[int, list[tuple[array, int]]]:
     """The longest suffix of the sequence (up to `depth` tokens) that also
     occurs earlier in it, and the ends of its latest occurrences."""
     size = len(index.tokens)
@@ -160,9 +162,9 @@ def _longest_suffix(index: NgramIndex, depth: int) -> tuple[int, list[tuple[list
         best = m
     if not best:
         return 0, []
-    text = index.tokens.tolist()
+    text = index.tokens
     suffix = buf[(size - best) * _ITEM :]
-    ends: list[tuple[list[int], int]] = []
+    ends: list[tuple[array, int]] = []
     end = (size - 1) * _ITEM
     while len(ends) < MAX_OCCURRENCES:
         at = buf.rfind(suffix, 0, end)
@@ -174,9 +176,7 @@ def _longest_suffix(index: NgramIndex, depth: int) -> tuple[int, list[tuple[list
     return best, ends
 
 
-def suffix_draft(
-    occurrences: list[tuple[list[int], int]], match: int, cfg: SpeculativeConfig, k: int
-) -> tuple[list[int], float]:
+def suffix_draft(occurrences: list, match: int, cfg: SpeculativeConfig, k: int) -> tuple[list[int], float]:
     """SuffixDecoding's path: from the occurrences of the matched suffix,
     repeatedly the token that most often came next, while the share of
     occurrences that continued this way (the path's probability) stays at
@@ -217,7 +217,7 @@ class Speculator:
     def finished(self, req: Request) -> None:
         """A request ended: its output joins the suffix cache."""
         if self.cache is not None and req.output_token_ids:
-            self.cache.add(req.output_token_ids)
+            self.cache.add(req.output_token_ids, req.tenant)
 
     def drafting(self, batch_size: int) -> bool:
         """Whether a step with this many running sequences carries drafts."""
@@ -252,6 +252,6 @@ class Speculator:
         if self.cache is None or not self.cache.texts:
             return own[0]
         context = index.tokens[-depth:].tolist()
-        match, occ = self.cache.occurrences(context, depth)
+        match, occ = self.cache.occurrences(context, depth, req.tenant)
         other = suffix_draft(occ, match, self.cfg, k) if match else ([], 0.0)
         return other[0] if other[1] > own[1] else own[0]

@@ -252,6 +252,9 @@ def test_suffix_draws_on_other_requests_outputs():
     req = make_request([FIRST_TOKEN + 7, FIRST_TOKEN + 8] + earlier[:4], 20)  # nothing of it repeats itself
     req.executor_has_state = True
     assert spec.propose(req, 6) == earlier[4:10]  # match of 4 tokens x factor 2, capped at k = 6
+    # Another tenant's outputs are not drawn on (as the prefix cache, nothing crosses tenants).
+    req.tenant = "other"
+    assert spec.propose(req, 6) == []
 
 
 def test_suffix_follows_the_most_frequent_continuation_while_it_is_likely():
@@ -273,11 +276,11 @@ def test_the_suffix_cache_is_bounded_and_its_index_has_no_stale_entry():
     for _ in range(20):
         cache.add([rng.randrange(6) for _ in range(rng.randrange(4, 30))])
         assert len(cache.texts) <= 3 and cache.num_tokens <= 50
-        live = {k: t for k, t in cache.texts.items()}
         for run, at in cache.index.items():
             assert at, run
             for key, end in at:
-                assert tuple(live[key][end - 2 : end + 1]) == run and end + 1 < len(live[key])
+                scope, text = cache.texts[key]
+                assert (scope, *text[end - 2 : end + 1]) == run and end + 1 < len(text)
 
 
 @given(st.lists(st.integers(0, 3), min_size=2, max_size=50), st.integers(1, 8))
