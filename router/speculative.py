@@ -75,10 +75,10 @@ class NgramIndex:
 
 # suffix: at most this many occurrences of the matched suffix are read (the
 # latest), and the cache of other requests' outputs holds at most this many
-# tokens beside suffix_decoding_max_cached_requests (memory: about 100 bytes
-# a token with its index).
+# tokens beside suffix_decoding_max_cached_requests (memory: about 280 bytes
+# a token with its index: 18 MB at this bound).
 MAX_OCCURRENCES = 64
-SUFFIX_CACHE_MAX_TOKENS = 1 << 18
+SUFFIX_CACHE_MAX_TOKENS = 1 << 16
 _GRAM = 3  # the cache's index: every 3-token run, to where it ends
 
 
