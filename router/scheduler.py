@@ -249,6 +249,8 @@ class Scheduler:
                     for r in self.running
                     if r is not req and r.seq_id not in scheduled and r.status == Status.RUNNING and not r.is_prefill
                 )
+            if drafts and not self._room_for_drafts(req, len(drafts), decodes_left):
+                drafts = []
             n = self._chunk(req.num_uncomputed, avail) + len(drafts)
             if n <= 0:
                 continue
@@ -256,6 +258,10 @@ class Scheduler:
                 new = self.blocks.allocate(req, req.num_computed_tokens + n)
                 if new is not None:
                     break
+                if drafts:  # drafts never make anyone yield memory: the step goes without them
+                    n -= len(drafts)
+                    drafts = []
+                    continue
                 victims = [r for r in self.running if r.seq_id not in scheduled and r is not req]
                 if not victims:
                     self._preempt(req, out)
@@ -289,6 +295,14 @@ class Scheduler:
         req.pending_block_ids = []
         req.replace_block_table = False
         return item
+
+    def _room_for_drafts(self, req: Request, k: int, decodes_left: int) -> bool:
+        """Whether k draft tokens' blocks leave a free block for every decode
+        still to be scheduled: drafts never make anyone yield memory."""
+        b = self.blocks
+        held = len(b.block_ids(req))
+        need = b.blocks_needed(req.num_computed_tokens + 1 + k) - held
+        return b.num_free_blocks - max(0, need) >= decodes_left + b.watermark_blocks
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens for a decoding request, within `room` budget tokens

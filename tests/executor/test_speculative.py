@@ -56,24 +56,28 @@ class _Seq:
             self.tops += res.top[:n]
 
 
+def _first(prompt: list[int], sampling: pb.SeqSampling, blocks: list[int], drafts: list[int] = ()) -> pb.Plan:
+    """A plan that introduces sequence 1 and computes its whole prompt (and
+    drafts after it) in blocks `blocks`."""
+    return pb.Plan(
+        seqs=[
+            pb.ScheduledSeq(
+                seq_id=1,
+                num_tokens=len(prompt) + len(drafts),
+                new_block_ids=blocks,
+                new=pb.NewSeq(token_ids=prompt, sampling=sampling),
+                draft_token_ids=drafts,
+            )
+        ]
+    )
+
+
 def _decode(runner: ModelRunner, sampling: pb.SeqSampling, drafts_for=None) -> _Seq:
     """Prefills PROMPT, then decodes N_OUT tokens; `drafts_for(out)` gives
     each step's drafts (None: plain decode)."""
     runner.reset()
     seq = _Seq(sampling)
-    new = seq.grow(len(PROMPT))
-    res = runner.step(
-        pb.Plan(
-            seqs=[
-                pb.ScheduledSeq(
-                    seq_id=1,
-                    num_tokens=len(PROMPT),
-                    new_block_ids=new,
-                    new=pb.NewSeq(token_ids=PROMPT, sampling=sampling),
-                )
-            ]
-        )
-    )
+    res = runner.step(_first(PROMPT, sampling, seq.grow(len(PROMPT))))
     seq.computed = len(PROMPT)
     seq.take(res, [1])
     while len(seq.out) < N_OUT:
@@ -185,18 +189,7 @@ def test_a_grammar_mask_per_position_holds_the_drafts_to_it(runner):
         sum(1 << (t % 32) for t in ids if t // 32 == w).to_bytes(4, "little") for w in range(words)
     )
     seq = _Seq(pb.SeqSampling())
-    res = runner.step(
-        pb.Plan(
-            seqs=[
-                pb.ScheduledSeq(
-                    seq_id=1,
-                    num_tokens=len(PROMPT),
-                    new_block_ids=seq.grow(len(PROMPT)),
-                    new=pb.NewSeq(token_ids=PROMPT),
-                )
-            ]
-        )
-    )
+    res = runner.step(_first(PROMPT, pb.SeqSampling(), seq.grow(len(PROMPT))))
     masks = [allow([40, 41]), allow([50]), allow([60, 61])]
     res = runner.step(
         pb.Plan(
@@ -268,18 +261,8 @@ def test_the_verified_tokens_follow_the_model_distribution(runner):
 
     def dist(prompt):
         runner.reset()
-        res = runner.step(
-            pb.Plan(
-                seqs=[
-                    pb.ScheduledSeq(
-                        seq_id=1,
-                        num_tokens=len(prompt),
-                        new_block_ids=list(range(-(-len(prompt) // BS))),
-                        new=pb.NewSeq(token_ids=prompt, sampling=pb.SeqSampling(logprobs=True, top_logprobs=vocab)),
-                    )
-                ]
-            )
-        )
+        sampling = pb.SeqSampling(logprobs=True, top_logprobs=vocab)
+        res = runner.step(_first(prompt, sampling, list(range(-(-len(prompt) // BS)))))
         ids, lps = res.top[0]
         p = [0.0] * vocab
         for t, lp in zip(ids, lps):  # the raw distribution, at the sampling temperature
@@ -296,19 +279,7 @@ def test_the_verified_tokens_follow_the_model_distribution(runner):
     for seed in range(n):
         runner.reset()
         sampling = pb.SeqSampling(temperature=TEMPERATURE, seed=seed, has_seed=True)
-        res = runner.step(
-            pb.Plan(
-                seqs=[
-                    pb.ScheduledSeq(
-                        seq_id=1,
-                        num_tokens=len(PROMPT) + 2,
-                        new_block_ids=list(range(-(-(len(PROMPT) + 2) // BS))),
-                        new=pb.NewSeq(token_ids=PROMPT, sampling=sampling),
-                        draft_token_ids=[d1, d2],
-                    )
-                ]
-            )
-        )
+        res = runner.step(_first(PROMPT, sampling, list(range(-(-(len(PROMPT) + 2) // BS))), [d1, d2]))
         toks = list(res.token_ids)
         first[toks[0]] += 1
         if toks[0] == d1:

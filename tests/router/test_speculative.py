@@ -300,3 +300,18 @@ def test_the_longest_suffix_and_its_occurrences_are_found(tokens, depth):
     assert match == want
     if want:
         assert sorted(e for _, e in occ) == sorted(ends(want))[-len(occ) :]
+
+
+def test_drafts_never_preempt_anyone():
+    """A pool with room for every sequence's next token but not for drafts:
+    the step goes without them and nobody is preempted for them."""
+    plain = create_scheduler(block_size=4, num_blocks=16)
+    spec = create_scheduler(block_size=4, num_blocks=16)
+    spec.speculator = _spec(num_speculative_tokens=6)
+    ra, rb = _requests(3, max_new=12), _requests(3, max_new=12)
+    _run(plain, ra, VerifyingExecutor())
+    _run(spec, rb, VerifyingExecutor())
+    assert [r.output_token_ids for r in rb] == [r.output_token_ids for r in ra]
+    assert plain.num_preemptions > 0  # the pool is short
+    assert spec.num_preemptions == plain.num_preemptions
+    assert spec.spec_drafts > 0
