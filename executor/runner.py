@@ -555,14 +555,20 @@ class ModelRunner:
         to its sequence. Returns (seq_ids, token_ids, logprobs or None)."""
         if not sample_states:
             return [], [], None
-        logprobs = None
-        greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
-        picked = greedy_head(rows) if greedy_head is not None and self._greedy(sample_states) else None
-        if picked is not None:  # the LM head's argmax straight from its accumulators
-            tokens = picked
-        else:
-            tokens, logprobs = self._sample_logits(self.model.lm_head(rows), sample_states)
+        tokens, logprobs = self._head_and_sampler(rows, sample_states)
         return self._record(sample_states, tokens), tokens, logprobs
+
+    def _head_and_sampler(
+        self, rows: torch.Tensor, states: list[tuple[int, SeqState]], pos: list[int] | None = None
+    ) -> tuple[list[int], list[float] | None]:
+        """Each row's token (and logprob when asked): the LM head's argmax
+        straight from its accumulators where every row is greedy, else the
+        LM head and the host sampler (`pos`: as _sample_logits)."""
+        greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
+        picked = greedy_head(rows) if greedy_head is not None and self._greedy(states) else None
+        if picked is not None:
+            return picked, None
+        return self._sample_logits(self.model.lm_head(rows), states, pos)
 
     def _verify(self, rows: torch.Tensor, batch: _Batch) -> tuple[list[int], list[int], list[float] | None, list[int]]:
         """Samples every row of a step with drafts and keeps, per sequence,
@@ -578,13 +584,8 @@ class ModelRunner:
         without d, renormalised. So the tokens are those of decoding without
         drafts, seeded draws included. Returns (seq_ids, token_ids, logprobs
         or None, tokens per sequence)."""
-        states, pos = batch.sample_states, batch.sample_pos
-        greedy_head = getattr(self.model.lm_head, "greedy_argmax", None)
-        picked = greedy_head(rows) if greedy_head is not None and self._greedy(states) else None
-        if picked is not None:
-            tokens, logprobs = picked, None
-        else:
-            tokens, logprobs = self._sample_logits(self.model.lm_head(rows), states, pos)
+        states = batch.sample_states
+        tokens, logprobs = self._head_and_sampler(rows, states, batch.sample_pos)
         top_rows = self._top
         self._top = []
         seq_ids: list[int] = []

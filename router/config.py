@@ -411,22 +411,16 @@ def validate_speculative(sp: SpeculativeConfig, where: str = "speculative") -> N
         raise ConfigError(
             f"{where}.method: {sp.method!r} is not one of {', '.join(SPECULATIVE_METHODS)} (or empty: off)"
         )
-    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
-        value = getattr(sp, name)
-        if value < 1:
-            raise ConfigError(f"{where}.{name}: must be >= 1, got {value}")
-    if sp.suffix_decoding_max_tree_depth < 1:
-        raise ConfigError(
-            f"{where}.suffix_decoding_max_tree_depth: must be >= 1, got {sp.suffix_decoding_max_tree_depth}"
-        )
-    if sp.suffix_decoding_max_cached_requests < 0:
-        raise ConfigError(
-            f"{where}.suffix_decoding_max_cached_requests: must be >= 0, got {sp.suffix_decoding_max_cached_requests}"
-        )
-    if not sp.suffix_decoding_max_spec_factor > 0:
-        raise ConfigError(
-            f"{where}.suffix_decoding_max_spec_factor: must be > 0, got {sp.suffix_decoding_max_spec_factor}"
-        )
+    for name in (
+        "num_speculative_tokens",
+        "prompt_lookup_max",
+        "prompt_lookup_min",
+        "disable_by_batch_size",
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_spec_factor",
+    ):
+        _positive(getattr(sp, name), f"{where}.{name}")
+    _positive(sp.suffix_decoding_max_cached_requests, f"{where}.suffix_decoding_max_cached_requests", True)
     if not 0 <= sp.suffix_decoding_min_token_prob <= 1:
         raise ConfigError(
             f"{where}.suffix_decoding_min_token_prob: must be in [0, 1], got {sp.suffix_decoding_min_token_prob}"

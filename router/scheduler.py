@@ -258,10 +258,6 @@ class Scheduler:
                 new = self.blocks.allocate(req, req.num_computed_tokens + n)
                 if new is not None:
                     break
-                if drafts:  # drafts never make anyone yield memory: the step goes without them
-                    n -= len(drafts)
-                    drafts = []
-                    continue
                 victims = [r for r in self.running if r.seq_id not in scheduled and r is not req]
                 if not victims:
                     self._preempt(req, out)

@@ -181,7 +181,7 @@ def test_a_cancelled_stream_with_drafts_in_flight_leaks_no_block(servers):
             '{"method": "suffix", "suffix_decoding_min_token_prob": 2}',
             "suffix_decoding_min_token_prob: must be in [0, 1]",
         ),
-        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: must be >= 1"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: must be > 0, got 0"),
         ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min: 4 is more than"),
         ("{method: ngram}", "--speculative-config: not JSON"),
     ],

@@ -211,7 +211,7 @@ def test_an_ngram_draft_continues_the_latest_earlier_match_of_the_longest_suffix
             {"method": "suffix", "suffix_decoding_max_tree_depth": 0},
             "speculative.suffix_decoding_max_tree_depth: must be",
         ),
-        ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens: must be >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens: must be > 0, got 0"),
         (
             {"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3},
             "speculative.prompt_lookup_min: 5 is more than prompt_lookup_max (3)",
