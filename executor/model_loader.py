@@ -366,7 +366,7 @@ def load_model(
 
 def _check_quantization(source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str) -> None:
     """ModelNotServable for a --quantization the model or this machine cannot serve."""
-    from executor.cpu import gguf_weights, int8_weights
+    from executor.cpu import gguf_weights, int8_weights, packed_linear
 
     if quantization not in int8_weights.METHODS:
         raise ModelNotServable(f"--quantization {quantization!r} is not one of {', '.join(int8_weights.METHODS)}")
@@ -378,28 +378,29 @@ def _check_quantization(source: ModelSource, dtype: torch.dtype, device: torch.d
         raise ModelNotServable(
             f"--quantization {quantization} runs on the CPU in bfloat16 (not {device.type}, {dtype})"
         )
-    if not gguf_weights.supported():
-        raise ModelNotServable(f"--quantization {quantization} needs the AVX512-BF16 block kernels; this CPU has none")
+    if not (gguf_weights.supported() and packed_linear.supported(dtype, device)):
+        raise ModelNotServable(f"--quantization {quantization} needs the native block kernels; none run here")
 
 
 def _attach_gguf_blocks(model: torch.nn.Module, reader, dtype: torch.dtype, device: torch.device) -> int:
-    """bf16 on an AVX512-BF16 CPU from a GGUF (`reader`: its file's, None
-    for other sources): its blocks go with the linear layers for the kernels
-    to stream (executor/cpu/gguf_weights.py); 0 elsewhere, with a warning
-    saying why the weights are expanded."""
+    """A GGUF model (`reader`: its file's, None for other sources) on the
+    CPU, in bf16 or in fp32 where its linears are prepacked (CPUs without
+    AVX512-BF16): its blocks go with the linear layers for the kernels to
+    stream (executor/cpu/gguf_weights.py); 0 elsewhere, with a warning saying
+    why the weights are expanded."""
     if reader is None:
         return 0
-    from executor.cpu import gguf_weights
+    from executor.cpu import gguf_weights, packed_linear
 
     why = None
     if device.type != "cpu":
         why = "no GPU kernel reads GGUF blocks"
-    elif dtype != torch.bfloat16:
-        why = f"served in {str(dtype).removeprefix('torch.')}"
+    elif not (packed_linear.supported(dtype, device) or (dtype == torch.float32 and packed_linear.fp32_prepacked())):
+        why = f"{str(dtype).removeprefix('torch.')} layers are not prepacked on this CPU"
     elif not gguf_weights.enabled():
         why = f"{gguf_weights.ENV_SWITCH}=0"
     elif not gguf_weights.supported():
-        why = "the block kernels need an AVX512-BF16 CPU"
+        why = f"no vector kernel reads blocks on this CPU ({gguf_weights.ENV_SWITCH}=1: portable code, slower)"
     if why is None:
         return gguf_weights.attach(model, reader)
     if all(t.tensor_type.name in ("F32", "F16", "BF16") for t in reader.tensors):

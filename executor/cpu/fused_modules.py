@@ -71,6 +71,11 @@ class FusedMLP(torch.nn.Module):
             fused = torch.nn.Linear(w.shape[1], 2 * self.inter, bias=False, dtype=w.dtype)
             with torch.no_grad():
                 fused.weight.copy_(w)
+            from executor.cpu.gguf_weights import blocks_of
+
+            blocks = blocks_of(*projs)  # [gate | up] rows, as w: gguf_linear's (CPUs without AVX512-BF16)
+            if blocks is not None:
+                fused.cbserve_blocks = blocks
             self.gate_up = PackedLinear(fused, batch_hint, keep_plain=False)
         else:
             from executor.cpu.gguf_weights import avx512_weights, blocks_of, for_amx, packed_rows, packed_tiles

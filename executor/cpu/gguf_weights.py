@@ -23,6 +23,7 @@ otherwise). docs/quantization.md.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -345,18 +346,50 @@ def enabled() -> bool:
 
 
 def supported() -> bool:
-    """Whether the kernels that read blocks run here: amx_linear on AMX-BF16
-    CPUs, avx512_linear on other AVX512-BF16 CPUs (every AMX CPU has
-    AVX512-BF16, so the one check covers both)."""
+    """Whether vector kernels that read blocks run here: amx_linear on
+    AMX-BF16 CPUs, avx512_linear on other AVX512-BF16 CPUs, gguf_linear's
+    AVX2 code on other AVX2 + FMA + F16C CPUs. Elsewhere (no AVX2, or not
+    x86) gguf_linear's portable code reads them too, several times slower
+    than the expanded weights' kernels (docs/quantization.md): only when
+    CBSERVE_GGUF_BLOCKS=1 asks (`portable_asked`)."""
     try:
         import native._fused as fused
     except ImportError:
         return False
-    return bool(fused.avx512_linear_supported())
+    return bool(fused.avx512_linear_supported() or fused.gguf_linear_avx2()) or portable_asked()
+
+
+def portable_asked() -> bool:
+    """CBSERVE_GGUF_BLOCKS=1: blocks also where only portable code reads them."""
+    return os.environ.get(ENV_SWITCH, "").strip() == "1"
+
+
+def gguf_linear_weights(blocks: BlockWeight | None, weight: torch.Tensor, what: str) -> torch.Tensor | None:
+    """The packed blocks gguf_linear reads for a layer (CPUs without
+    AVX512-BF16) where they expand to exactly `weight` ([N, K], fp32: the
+    exact values; bf16: rounded once), else None: the layer keeps its
+    plain weight. A bf16 layer whose blocks say `keep_tiles` (a small model)
+    keeps its bf16 panels too, since on those CPUs the expansion costs more
+    than streaming bf16 (docs/quantization.md); fp32 layers read the
+    blocks at every size, faster than streaming fp32 and 4-7x fewer bytes."""
+    if blocks is None or not enabled() or weight.dim() != 2:
+        return None
+    if weight.dtype == torch.bfloat16 and blocks.keep_tiles:
+        return None
+    import native._fused as fused
+
+    packed = blocks.pack()
+    # As values (packed_tiles): a Q4_0 zero's sign may differ from gguf-py's.
+    if tuple(weight.shape) == blocks.shape and torch.equal(
+        fused.gguf_dequant(packed, weight.dtype).float(), weight.float()
+    ):
+        return packed
+    _LOGGER.warning("GGUF blocks do not expand to the loaded weights; serving them expanded", layer=what)
+    return None
 
 
 def attach(model: torch.nn.Module, reader) -> int:
-    """Gives every bf16 Linear of `model` its GGUF blocks as a
+    """Gives every bf16 or fp32 Linear of `model` its GGUF blocks as a
     `cbserve_blocks` attribute (the tied LM head gets the embedding's);
     returns how many. PackedLinear and FusedMLP pack them instead of the
     bf16 weight once `packed_tiles` has checked them."""
@@ -372,7 +405,7 @@ def attach(model: torch.nn.Module, reader) -> int:
         mod = modules.get(name)
         if (
             isinstance(mod, (torch.nn.Linear, torch.nn.Embedding))
-            and mod.weight.dtype == torch.bfloat16
+            and mod.weight.dtype in (torch.bfloat16, torch.float32)
             and tuple(mod.weight.shape) == bw.shape
             and bw.shape[0] % TILE_N == 0
         ):
@@ -465,48 +498,63 @@ def keep_tiles(bf16_bytes: int) -> bool:
 
 class BlockEmbedding(torch.nn.Module):
     """An embedding table kept as its GGUF blocks (packed tiles: a tied LM
-    head's own): a lookup expands the rows it needs (native gguf_rows), to
-    the bf16 values nn.Embedding would hold. `weight` is a meta tensor of
-    the table's shape and dtype."""
+    head's own): a lookup expands the rows it needs (native gguf_rows on
+    AVX512-BF16 CPUs, gguf_embed elsewhere), to the values nn.Embedding would
+    hold in `dtype`. `weight` is a meta tensor of the table's shape and dtype."""
 
-    def __init__(self, packed: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(
+        self, packed: torch.Tensor, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         super().__init__()
+        import native._fused as fused
+
         self.packed = packed
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = torch.empty(num_embeddings, embedding_dim, dtype=torch.bfloat16, device="meta")
+        self.weight = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
+        if dtype == torch.bfloat16 and fused.avx512_linear_supported():
+            self._rows = fused.gguf_rows
+        else:
+            self._rows = functools.partial(fused.gguf_embed, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        import native._fused as fused
-
         flat = ids.reshape(-1)
-        return fused.gguf_rows(self.packed, flat).view(*ids.shape, self.embedding_dim)
+        return self._rows(self.packed, flat).view(*ids.shape, self.embedding_dim)
 
 
 def embed_from_blocks(model: torch.nn.Module) -> bool:
     """Serves a GGUF model's embedding from its blocks (BlockEmbedding) on
     CPUs without AMX, where its linears are served from theirs: the tied LM
-    head's packed blocks where it has them (its bf16 weight, the table, is
+    head's packed blocks where it has them (its plain weight, the table, is
     then dropped), else the embedding's own. Returns whether it did."""
     from executor.cpu import packed_linear
 
     inner = getattr(model, "model", None)
     emb = getattr(inner, "embed_tokens", None)
     blocks = getattr(emb, "cbserve_blocks", None)
-    if blocks is None or blocks.keep_tiles or not enabled() or packed_linear.avx512_ops() is None:
+    if blocks is None or not enabled() or packed_linear.amx_ops() is not None:
         return False
     head = getattr(model, "lm_head", None)
     tied = isinstance(head, packed_linear.PackedLinear) and head.weight is emb.weight
+    avx512 = packed_linear.avx512_ops() is not None
+    if avx512 and blocks.keep_tiles:
+        return False
     if tied and packed_kind(head.packed) is not None:
         packed = head.packed
-    else:
+    elif avx512:
         import native._fused as fused
 
         tiles = fused.amx_pack_weight(emb.weight.detach())
         packed = packed_tiles(blocks, tiles, "embedding")
         if packed is tiles:
             return False
-    inner.embed_tokens = BlockEmbedding(packed, emb.num_embeddings, emb.embedding_dim)
+    else:  # gguf_linear's CPUs: where its layers are served from blocks
+        if not (isinstance(head, packed_linear.PackedLinear) and head.kernel.startswith("gguf-")):
+            return False
+        packed = gguf_linear_weights(blocks, emb.weight.detach(), "embedding")
+        if packed is None:
+            return False
+    inner.embed_tokens = BlockEmbedding(packed, emb.num_embeddings, emb.embedding_dim, emb.weight.dtype)
     if tied:  # the table was the head's plain weight too; plain_weight() unpacks the blocks
         del head.weight
         head.weight = torch.empty(emb.weight.shape, dtype=emb.weight.dtype, device="meta")

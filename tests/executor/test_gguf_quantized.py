@@ -18,11 +18,11 @@ import torch
 from executor import model_loader, model_source
 from executor.cpu import gguf_weights
 from executor.runner import ModelRunner
-from tests.executor.helpers import greedy_with_hidden
+from tests.executor.helpers import avx512_bf16, greedy_with_hidden
 from tests.integration.gguf_writer import write_gguf
 from tests.small_configs import small
 
-pytestmark = pytest.mark.skipif(not gguf_weights.supported(), reason="needs an AVX512-BF16 CPU")
+pytestmark = pytest.mark.skipif(not avx512_bf16(), reason="needs an AVX512-BF16 CPU")
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import torch
 from executor import model_loader, model_source
 from executor.cpu import gguf_weights, int8_weights
 from executor.runner import ModelRunner
-from tests.executor.helpers import greedy_with_hidden
+from tests.executor.helpers import avx512_bf16, greedy_with_hidden
 
-pytestmark = pytest.mark.skipif(not gguf_weights.supported(), reason="needs an AVX512-BF16 CPU")
+pytestmark = pytest.mark.skipif(not avx512_bf16(), reason="needs an AVX512-BF16 CPU")
 
 SPEC = 'tiny:{"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}'
 

@@ -98,11 +98,23 @@ def write_gguf(model: torch.nn.Module, path: str, quant: str | None = None, embe
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     pad = [f"<unused{i}>" for i in range(cfg.vocab_size - 259)]
-    tokens = ["<pad>", "<s>", "</s>"] + _gpt2_byte_chars() + pad
+    bytes_ = _gpt2_byte_chars()
+    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.UNUSED] * len(pad)
+    # llama.cpp refuses a gpt2 vocabulary without merges: one merge, of the
+    # byte 0x00 with itself, into the last padding token; text never holds
+    # that byte, so every text tokenizes as without it.
+    merges = []
+    if pad:
+        pad[-1] = bytes_[0] * 2
+        types[-1] = gguf.TokenType.NORMAL
+        merges = [f"{bytes_[0]} {bytes_[0]}"]
+    tokens = ["<pad>", "<s>", "</s>"] + bytes_ + pad
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.UNUSED] * len(pad))
+    if merges:
+        w.add_token_merges(merges)
+    w.add_token_types(types)
     w.add_token_scores([0.0] * len(tokens))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)

@@ -126,17 +126,18 @@ def _write(tmp_path, quant: str):
 
 
 def test_blocks_expanded_anyway_are_said_so(tmp_path, monkeypatch):
-    """A served block type that ends up expanded (fp32 here; no AVX512-BF16,
-    a GPU or CBSERVE_GGUF_BLOCKS=0 alike) is logged with the reason; a file
-    with no blocks at all is not."""
+    """A served block type that ends up expanded (fp32 where fp32 is not
+    prepacked, as on AVX512-BF16 CPUs; a GPU or CBSERVE_GGUF_BLOCKS=0 alike)
+    is logged with the reason; a file with no blocks at all is not."""
     import structlog
 
     from executor import model_loader, model_source
 
     monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CBSERVE_FP32_PREPACK", "0")  # as on AVX512-BF16 CPUs
     quantized, plain = _write(tmp_path, "Q4_1"), tmp_path / "fp32.gguf"
     write_gguf(_model("llama"), str(plain))
-    for path, expect in ((quantized, ["served in float32"]), (plain, [])):
+    for path, expect in ((quantized, ["float32 layers are not prepacked on this CPU"]), (plain, [])):
         with structlog.testing.capture_logs() as logs:
             model_loader.load_model(model_source.resolve(str(path)), torch.float32)
         said = [e["reason"] for e in logs if e["event"] == "GGUF weights expanded from their blocks"]

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from executor import model_loader, model_source
-from executor.cpu import gguf_weights
 from executor.runner import ModelRunner, greedy_generate
 from tests.conftest import start_server
+from tests.executor.helpers import avx512_bf16
 from tests.integration.helpers import gen_request, stub, wait_idle
 
-pytestmark = pytest.mark.skipif(not gguf_weights.supported(), reason="needs an AVX512-BF16 CPU")
+pytestmark = pytest.mark.skipif(not avx512_bf16(), reason="needs an AVX512-BF16 CPU")
 
 SPEC = 'tiny:{"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}'
 

@@ -25,6 +25,7 @@
 #include "avx2_bf16.h"
 #include "avx2_f32_linear.h"
 #include "avx512_linear.h"
+#include "gguf_linear.h"
 
 namespace {
 
@@ -921,6 +922,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "all fp32, or all bf16 (y rounded once); "
         "AVX2 + FMA CPUs (see avx2_f32_linear_supported).");
   m.def("avx2_f32_linear_supported", &cbserve_fused::avx2_f32_linear_supported);
+  m.def("gguf_linear", &cbserve_fused::gguf_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        "x [M, K] @ weight^T (+ bias) over GGUF blocks (the layout amx_dequant reads) in fp32 arithmetic, for "
+        "CPUs without AVX512-BF16: fp32 x with the blocks' exact values, or bf16 x with them rounded to bf16 "
+        "(y rounded once); AVX2 + FMA + F16C code where the CPU has it (gguf_linear_avx2), portable code elsewhere.");
+  m.def("gguf_linear_avx2", &cbserve_fused::gguf_linear_avx2);
+  m.def("gguf_dequant", &cbserve_fused::gguf_dequant, py::arg("packed"), py::arg("dtype"),
+        py::call_guard<py::gil_scoped_release>(),
+        "uint8 GGUF blocks -> the [N, K] weight gguf_linear computes with, float32 (exact) or bfloat16; any CPU.");
+  m.def("gguf_embed", &cbserve_fused::gguf_embed, py::arg("packed"), py::arg("ids"), py::arg("dtype"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Rows ids (int64 [T]) of the weight packed as GGUF blocks, [T, K] float32 or bfloat16 as gguf_dequant "
+        "expands them: an embedding lookup from blocks on any CPU.");
   m.def("amx_q4_rows_linear", &cbserve_fused::amx_q4_rows_linear, py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("silu_inter") = 0, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] @ weight^T in bf16, weight as Q4_1 blocks in the feature-major layout "

@@ -75,7 +75,6 @@ inline Fmt check_blocks(const torch::Tensor& packed, int64_t n_features, int64_t
   return fmt;
 }
 
-#if CB_FUSED_X86
 // Where tile (column block nb, k-block kb) of packed blocks sits, in tiles
 // from the start: the blocks are stored pair-major (executor/cpu/gguf_weights.py),
 // column blocks 2p and 2p + 1 alternating k-block by k-block, so a thread's
@@ -101,6 +100,7 @@ inline const uint8_t* tile_q(Fmt fmt, const uint8_t* tile, int64_t kb) {
   return fmt == Fmt::kQ6_K ? tile + kQ6KSubBytes * (kb % kQ4KSub) : tile;
 }
 
+#if CB_FUSED_X86
 // Word w of a tile row holds k-parity (w % 2) of feature w / 2. The packed
 // blocks keep the q values of a row's words 0..15 (features 0..7) and 16..31
 // (features 8..15) in two vectors of 16 lanes, so one vcvtne2ps2bf16 of the
