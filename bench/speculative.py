@@ -95,9 +95,14 @@ def bodies(task: str, texts: list[str], max_tokens: int, seed: int) -> list[dict
     return out
 
 
-async def _one(client, url: str, body: dict, usage_per_chunk: bool) -> dict:
+async def _one(client, url: str, body: dict, usage_per_chunk: bool, chunk_tokens: bool = False) -> dict:
     """One streamed request: its text, token count, per-token gaps, and the
-    llama.cpp draft counts when its server reports them."""
+    llama.cpp draft counts when its server reports them. Tokens are counted
+    from the usage of every chunk (usage_per_chunk: cbserve), one per chunk
+    before the last (chunk_tokens: llama-server sends one a token, text or
+    not: its final usage then gives the total, as it holds back the bytes
+    of an incomplete UTF-8 character and sends them with the next), or one
+    per chunk with text."""
     chat = "messages" in body
     body = {**body, "stream": True}
     if usage_per_chunk:
@@ -117,13 +122,20 @@ async def _one(client, url: str, body: dict, usage_per_chunk: bool) -> dict:
                 piece += (c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
             now = time.perf_counter()
             usage = j.get("usage")
-            n = (usage["completion_tokens"] - tokens) if usage_per_chunk and usage else (1 if piece else 0)
+            if usage_per_chunk and usage:
+                n = usage["completion_tokens"] - tokens
+            elif chunk_tokens:
+                n = sum(1 for c in j.get("choices") or [] if c.get("finish_reason") is None)
+            else:
+                n = 1 if piece else 0
             if n > 0:
                 if tokens:  # the first token's wait is the TTFT, not a gap
                     gaps += [(now - last) / n] * n
                 tokens += n
                 last = now
             text.append(piece)
+            if chunk_tokens and usage:
+                tokens = max(tokens, usage["completion_tokens"])
     return {
         "text": "".join(text),
         "tokens": tokens,
@@ -133,7 +145,9 @@ async def _one(client, url: str, body: dict, usage_per_chunk: bool) -> dict:
     }
 
 
-async def drive(url: str, reqs: list[dict], concurrency: int, usage_per_chunk: bool) -> tuple[float, list[dict]]:
+async def drive(
+    url: str, reqs: list[dict], concurrency: int, usage_per_chunk: bool, chunk_tokens: bool = False
+) -> tuple[float, list[dict]]:
     """Every request, at most `concurrency` at once; (wall seconds, results)."""
     import httpx
 
@@ -141,7 +155,7 @@ async def drive(url: str, reqs: list[dict], concurrency: int, usage_per_chunk: b
 
     async def run(body, client):
         async with sem:
-            return await _one(client, url, body, usage_per_chunk)
+            return await _one(client, url, body, usage_per_chunk, chunk_tokens)
 
     # A fresh connection per request: llama-server may close a kept-alive one.
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
