@@ -205,16 +205,8 @@ torch::Tensor avx2_f32_linear(const torch::Tensor& x, const torch::Tensor& packe
                   packed.size(1) == x.size(1) && packed.size(2) == kPanel,
               "packed must come from avx2_f32_pack_weight of a weight with x's K and ", out_features,
               " output features");
-  torch::Tensor bias32;  // a bf16 bias in fp32 (exact), added before the output's rounding
-  const float* bp = nullptr;
-  if (bf16) {
-    if (bf16_bias(bias, out_features) != nullptr) {
-      bias32 = bias->to(at::kFloat);
-      bp = bias32.data_ptr<float>();
-    }
-  } else {
-    bp = f32_bias(bias, out_features);
-  }
+  torch::Tensor bias32;
+  const float* bp = fp32_arith_bias(bias, out_features, bf16, bias32);
   auto y = torch::empty({x.size(0), out_features}, x.options());
 #if CB_FUSED_X86
   if (x.size(0) == 0) return y;

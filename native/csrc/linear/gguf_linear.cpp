@@ -424,16 +424,8 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const bool bf16 = rounds(x.scalar_type());
   const Blocks b = blocks_of(packed);
   gguf_tiles::check_blocks(packed, out_features, x.size(1));
-  torch::Tensor bias32;  // fp32 (a bf16 bias widened exactly), added before the output's rounding
-  const float* bp = nullptr;
-  if (bf16) {
-    if (bf16_bias(bias, out_features) != nullptr) {
-      bias32 = bias->to(at::kFloat);
-      bp = bias32.data_ptr<float>();
-    }
-  } else {
-    bp = f32_bias(bias, out_features);
-  }
+  torch::Tensor bias32;
+  const float* bp = fp32_arith_bias(bias, out_features, bf16, bias32);
   auto y = torch::empty({x.size(0), out_features}, x.options());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   if (M == 0) return y;

@@ -28,6 +28,17 @@ inline const float* f32_bias(const c10::optional<torch::Tensor>& bias, int64_t n
   return bias->data_ptr<float>();
 }
 
+// The fp32 bias of a layer computed in fp32 (avx2_f32_linear, gguf_linear):
+// an fp32 bias as it is, a bf16 one (bf16 layers) widened exactly into
+// `widened`, added before the output's rounding; nullptr without one.
+inline const float* fp32_arith_bias(const c10::optional<torch::Tensor>& bias, int64_t n_out, bool bf16,
+                                    torch::Tensor& widened) {
+  if (!bf16) return f32_bias(bias, n_out);
+  if (bf16_bias(bias, n_out) == nullptr) return nullptr;
+  widened = bias->to(at::kFloat);
+  return widened.data_ptr<float>();
+}
+
 // Checks that `packed` holds amx_pack_weight's (or amx_pack_gate_up's) bf16
 // tiles of an [n_features, k] weight: [ceil(N/16), ceil(K/32), 16, 16, 2].
 inline void check_bf16_tiles(const torch::Tensor& packed, int64_t n_features, int64_t k) {
