@@ -425,7 +425,9 @@ def test_fair_share_serves_a_light_tenant_through_a_flood_and_keeps_counters_on_
     counters."""
     reconfigure(big, {"policy": "fcfs", "max_num_seqs": 2})
     before = big.metrics()
-    heavy = {f"heavy{i}": gen_request([50 + i] * 16, max_new=150) for i in range(6)}
+    # One token a step (no drafts: the repeated prompts would let n-gram
+    # speculation finish a running flood request before the light one ends).
+    heavy = {f"heavy{i}": gen_request([50 + i] * 16, max_new=150, speculative=False) for i in range(6)}
     out: dict = {}
     threads = _tenant_streams(big, heavy, "heavy", out)
     wait_metric(big, lambda m: m["cbserve_num_requests_running"] == 2 and m["cbserve_num_requests_waiting"] == 4)

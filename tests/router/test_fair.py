@@ -116,11 +116,14 @@ def finish_all(sched, outstanding):
     seed=st.integers(0, 2**16),
 )
 def test_two_backlogged_tenants_stay_within_twice_u(prompt_lens, outputs, preempt, max_num_seqs, budget, seed):
-    """|W_a - W_b| <= 2U at every step. With preemption (the default),
-    U = max(w_p * longest prompt, w_o * max_num_batched_tokens): what one
-    step can deliver. Without it, VTC's own theorem: U = max(w_p * longest
-    prompt, w_o * M) with M the tokens the running batch holds, since a
-    tenant keeps the seats it was given until its requests end."""
+    """|W_a - W_b| <= 2U at every step. With preemption (the default), U is
+    what one step can deliver to one tenant: w_p * B prompt tokens and w_o
+    for each of up to min(max_num_seqs, B) sampled tokens (a prefill's
+    last chunk samples one too: 1-token prompts take both), B =
+    max_num_batched_tokens; or w_p * its longest prompt. Without it, VTC's
+    own theorem: U = max(w_p * longest prompt, w_o * M) with M the tokens the
+    running batch holds, since a tenant keeps the seats it was given until
+    its requests end."""
     budget = max(budget, max_num_seqs)
     sched = fair_scheduler(preempt=preempt, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     rng = random.Random(seed)
@@ -131,8 +134,11 @@ def test_two_backlogged_tenants_stay_within_twice_u(prompt_lens, outputs, preemp
         return request(t, rng.randint(1, p), rng.randint(1, o), now)
 
     f = sched.cfg.fair
-    held = budget if preempt else max_num_seqs * (max(prompt_lens) + max(outputs))
-    u = max(f.prompt_weight * max(prompt_lens), f.output_weight * held)
+    if preempt:
+        step = f.prompt_weight * budget + f.output_weight * min(max_num_seqs, budget)
+        u = max(f.prompt_weight * max(prompt_lens), step)
+    else:
+        u = max(f.prompt_weight * max(prompt_lens), f.output_weight * max_num_seqs * (max(prompt_lens) + max(outputs)))
 
     def check(sched, out, service):
         a, b = service.by_tenant.get("a", 0.0), service.by_tenant.get("b", 0.0)
