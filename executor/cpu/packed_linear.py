@@ -22,6 +22,9 @@ the numbers behind each choice are in docs/native.md, "Linear layers"):
   any number of rows; no oneDNN copy of the weights is kept.
 - Any other bf16 layer: `avx2_f32_linear` over bf16 panels where AVX2 + FMA
   run it (below), oneDNN's prepacked kernel otherwise.
+- A GGUF layer on CPUs without AVX512-BF16 (fp32, or bf16 of a model of 1B
+  and up): native `gguf_linear` over its blocks, for any number of rows
+  (`gguf_weights.gguf_linear_weights`; docs/quantization.md).
 - fp32 on CPUs without AVX512-BF16 (where `--dtype auto` serves fp32):
   native `avx2_f32_linear` over weights packed into panels of 16 features,
   for any number of rows; it streams the weights of a decode step faster than
