@@ -43,6 +43,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.online import _cpu_model
 from bench.server import CbserveServer
 from bench.speculative import LlamaServer, drive
 
@@ -182,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = ["cbserve blocks", "cbserve expanded"] + (["llama.cpp"] if args.llama_server else [])
     if args.systems:
         kinds = [k for k in kinds if k in args.systems.split(",")]
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo", encoding="ascii") if ln.startswith("model name")),
-        "?",
-    )
+    cpu = _cpu_model()
     results = []
     for path in files:
         vocab = vocab_size(path)

@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.online import _cpu_model
 from bench.server import CbserveServer
 from common.ports import free_port
 
@@ -324,14 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             plain = runs[(task, c, systems[si][4])]
             base = statistics.median(sum(x["tokens"] for x in res) / wall for wall, res in plain)
             rows.append(_row(task, c, systems[si][0], base, rs, counts[(task, c, si)], plain))
-        cpu = next(
-            (
-                ln.split(":", 1)[1].strip()
-                for ln in open("/proc/cpuinfo", encoding="ascii")
-                if ln.startswith("model name")
-            ),
-            "?",
-        )
+        cpu = _cpu_model()
         print(
             f"# {cpu}, {os.cpu_count()} CPUs; {args.requests} requests x {args.max_tokens} tokens, {args.rounds} rounds"
         )

@@ -395,7 +395,7 @@ def _attach_gguf_blocks(model: torch.nn.Module, reader, dtype: torch.dtype, devi
     why = None
     if device.type != "cpu":
         why = "no GPU kernel reads GGUF blocks"
-    elif not (packed_linear.supported(dtype, device) or (dtype == torch.float32 and packed_linear.fp32_prepacked())):
+    elif not packed_linear.prepacked(dtype, device):
         why = f"{str(dtype).removeprefix('torch.')} layers are not prepacked on this CPU"
     elif not gguf_weights.enabled():
         why = f"{gguf_weights.ENV_SWITCH}=0"

@@ -498,9 +498,9 @@ def keep_tiles(bf16_bytes: int) -> bool:
 
 class BlockEmbedding(torch.nn.Module):
     """An embedding table kept as its GGUF blocks (packed tiles: a tied LM
-    head's own): a lookup expands the rows it needs (native gguf_rows on
-    AVX512-BF16 CPUs, gguf_embed elsewhere), to the values nn.Embedding would
-    hold in `dtype`. `weight` is a meta tensor of the table's shape and dtype."""
+    head's own): a lookup expands the rows it needs (native gguf_embed, on
+    any CPU), to the values nn.Embedding would hold in `dtype`. `weight` is
+    a meta tensor of the table's shape and dtype."""
 
     def __init__(
         self, packed: torch.Tensor, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.bfloat16
@@ -512,10 +512,7 @@ class BlockEmbedding(torch.nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
-        if dtype == torch.bfloat16 and fused.avx512_linear_supported():
-            self._rows = fused.gguf_rows
-        else:
-            self._rows = functools.partial(fused.gguf_embed, dtype=dtype)
+        self._rows = functools.partial(fused.gguf_embed, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)

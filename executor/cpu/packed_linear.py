@@ -325,13 +325,20 @@ def fp32_prepacked() -> bool:
     return torch.backends.mkldnn.is_available() and not cpu_has_native_bf16()
 
 
+def prepacked(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prepack_linears packs a model of this dtype on this device:
+    bf16 where `supported`, fp32 where `fp32_prepacked`."""
+    if supported(dtype, device):
+        return True
+    return device.type == "cpu" and dtype == torch.float32 and fp32_prepacked()
+
+
 def prepack_linears(model: torch.nn.Module, batch_hint: int = 64) -> int:
     """Replaces every nn.Linear of a bf16 CPU model (or an fp32 one where
     `fp32_prepacked`) by a PackedLinear; returns how many were replaced (0
     when unsupported)."""
     p = next(model.parameters())
-    fp32 = p.device.type == "cpu" and p.dtype == torch.float32 and fp32_prepacked()
-    if not (supported(p.dtype, p.device) or fp32):
+    if not prepacked(p.dtype, p.device):
         return 0
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
     # A weight that only its Linear holds is not kept plain beside the tiles

@@ -496,38 +496,4 @@ torch::Tensor amx_dequant(const torch::Tensor& packed) {
   return out;
 }
 
-torch::Tensor gguf_rows(const torch::Tensor& packed, const torch::Tensor& ids) {
-  TORCH_CHECK(has_avx512_bf16(), "gguf_rows needs an AVX512-BF16 CPU");
-  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "packed must be a contiguous CPU tensor");
-  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be int64 [T]");
-  const Fmt fmt = block_fmt(packed);
-  const int64_t nblocks = packed.size(0), kblocks = packed.size(1) * gguf_tiles::kblocks_per_tile(fmt);
-  const int64_t T = ids.size(0), K = kblocks * kTileK, rows = nblocks * kTileN;
-  const auto ids_c = ids.contiguous();
-  const int64_t* id = ids_c.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(0 <= id[t] && id[t] < rows, "row ", id[t], " outside [0, ", rows, ")");
-  auto out = torch::empty({T, K}, packed.options().dtype(at::kBFloat16));
-#if CB_FUSED_X86
-  const auto* src = packed.data_ptr<uint8_t>();
-  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  // A row is lane id % 16 of its column block's tiles: each tile is
-  // expanded whole ([16 k-pairs][16 n][2]) and the lane's 32 values copied.
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    alignas(64) uint16_t tile[kTileElems];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t nb = id[t] / kTileN, lane = id[t] % kTileN;
-      uint16_t* row = dst + t * K;
-      for (int64_t kb = 0; kb < kblocks; ++kb) {
-        dequant_tile(fmt, gguf_tiles::tile_at(fmt, src, nb, kb, nblocks, kblocks), tile, kb);
-        for (int64_t p = 0; p < kTileK / 2; ++p) {
-          row[kb * kTileK + 2 * p] = tile[p * 2 * kTileN + 2 * lane];
-          row[kb * kTileK + 2 * p + 1] = tile[p * 2 * kTileN + 2 * lane + 1];
-        }
-      }
-    }
-  });
-#endif
-  return out;
-}
-
 }  // namespace cbserve_fused

@@ -46,8 +46,4 @@ torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& p
 // Q4_1 / Q8_0 blocks to (equal to amx_pack_weight of the dequantised weight).
 torch::Tensor amx_dequant(const torch::Tensor& packed);
 
-// Rows `ids` of the [N, K] weight packed as GGUF blocks, bf16 [T, K]: an
-// embedding lookup straight from the blocks (a tied LM head's).
-torch::Tensor gguf_rows(const torch::Tensor& packed, const torch::Tensor& ids);
-
 }  // namespace cbserve_fused

@@ -898,10 +898,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "uint8 GGUF blocks (Q4_1 / Q8_0 [N/16, K/32, 320 | 544], Q4_K / Q6_K [N/16, K/256, 2368 | 3360]) -> the "
         "bf16 tiles [N/16, K/32, 16, 16, 2] the kernels expand them to (the amx_pack_weight layout). "
         "AVX512-BF16 CPUs.");
-  m.def("gguf_rows", &cbserve_fused::gguf_rows, py::arg("packed"), py::arg("ids"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Rows ids (int64 [T]) of the weight packed as GGUF blocks, bf16 [T, K]: the embedding lookup of a "
-        "model whose embedding stays in its blocks. AVX512-BF16 CPUs.");
   m.def("amx_linear_supported", &cbserve_fused::amx_linear_supported);
   m.def("avx512_linear", &cbserve_fused::avx512_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>(),
