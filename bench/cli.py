@@ -14,6 +14,7 @@ Subcommands:
   perplexity   perplexity of a text through cbserve, beside llama.cpp's llama-perplexity
   spec         speculative decoding's speed with and without drafts, beside llama.cpp's
   quant        GGUF files served from their blocks, beside their bf16 expansion and llama.cpp
+  lora         multi-LoRA throughput over 1, 4 and 16 adapters against the base model
 """
 
 from __future__ import annotations
@@ -269,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("perplexity", None, "perplexity of a text through cbserve, beside llama.cpp's llama-perplexity"),
         ("spec", None, "speculative decoding's speed, with and without drafts, beside llama.cpp's"),
         ("quant", None, "GGUF files served from their blocks, beside their bf16 expansion and llama.cpp"),
+        ("lora", None, "multi-LoRA throughput: requests spread over 1, 4 and 16 adapters against the base model"),
     ):
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -292,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "perplexity",
         "spec",
         "quant",
+        "lora",
     )
     if argv and argv[0] in own_parsers:
         from bench import (
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             fairness,
             goodput,
             hf_export,
+            lora,
             online,
             perplexity,
             quant,
@@ -320,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             "perplexity": perplexity.main,
             "spec": speculative.main,
             "quant": quant.main,
+            "lora": lora.main,
         }
         return int(own[argv[0]](argv[1:]) or 0)
     a = build_parser().parse_args(argv)

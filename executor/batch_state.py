@@ -19,6 +19,7 @@ class SeqState:
     allowed: bytes | None = None  # this step's structured-output mask, if any
     num_prompt: int = 0  # the prompt's length (token_ids beyond it are output)
     drafts: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
+    lora_slot: int = 0  # the LoRA adapter slot its rows use (0 = none; executor/lora.py)
 
     def mask(self, j: int) -> bytes | None:
         """The grammar mask of this step's sampled position j (0 = after the

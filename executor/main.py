@@ -55,6 +55,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on a CUDA GPU: capture decode steps of up to this many sequences as CUDA graphs (0 = eager)",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of this process (0 = off)")
+    p.add_argument("--max-loras", type=int, default=0, help="LoRA adapter slots a step can use (0 = LoRA off)")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank accepted")
+    p.add_argument("--max-cpu-loras", type=int, default=0, help="adapters kept read in memory (0 = max-loras)")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters read and checked at start (a bad one: exit 2); the router registers them",
+    )
     p.add_argument(
         "--metrics-host", default="127.0.0.1", help="address the metrics port binds (0.0.0.0 to let a scraper reach it)"
     )
@@ -81,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         cache = load_cache_config(args.config)
     except ConfigError as exc:
         return _refused(exc)
+    if args.max_loras < 0 or args.max_lora_rank < 1 or args.max_cpu_loras < 0:
+        return _refused(ConfigError("--max-loras and --max-cpu-loras must be >= 0, --max-lora-rank >= 1"))
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -118,11 +131,22 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_dtype=kv_dtype,
             cuda_graph_max_batch=max(0, args.cuda_graph_max_batch),
             max_model_len=max(0, args.max_model_len),
+            max_loras=max(0, args.max_loras),
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=max(0, args.max_cpu_loras),
         )
     except (KVCacheTooLarge, ValueError) as exc:  # ValueError: a --max-model-len beyond the model's
         return _refused(exc)
     except Exception as exc:  # noqa: BLE001  (a model whose first forward pieces fail cannot be served either)
         return _refused(model_loader.ModelNotServable(f"{type(model).__name__}: cannot be served: {exc!r}"))
+    if args.lora_modules and runner.lora is None:
+        return _refused(ConfigError("--lora-modules needs --max-loras > 0"))
+    for spec in args.lora_modules:
+        name, _, path = spec.partition("=")
+        try:
+            runner.lora.load(name, path)
+        except (ValueError, OSError) as exc:  # LoraError is a ValueError
+            return _refused(ConfigError(f"lora adapter {name!r}: {exc}"))
     eos_ids, sampling_defaults = model_loader.generation_facts(model)
     metrics = ExecutorMetrics()
     try:

@@ -87,6 +87,9 @@ class _Batch:
     prompt_rows: list[tuple[int, SeqState, int, int, int]]
     # Per token, the length that picks its longrope frequencies (else None).
     rope_lengths: torch.Tensor | None = None
+    # Per row, its LoRA slot, where any row has one; the sampled rows as a list.
+    lora_rows: list[int] | None = None
+    sample_row_list: list[int] | None = None
 
 
 def _sampling_from_pb(s: pb.SeqSampling) -> SamplingParams:
@@ -123,6 +126,9 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         cuda_graph_max_batch: int = 256,
         max_model_len: int = 0,
+        max_loras: int = 0,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int = 0,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -134,6 +140,13 @@ class ModelRunner:
         model.set_attn_implementation(attention.register())
         # Phi-3's longrope, its frequency set chosen per token (executor/rope.py).
         self.longrope = rope.install(model)
+        # LoRA adapters (executor/lora.py): the projections' shapes are read
+        # before fusing replaces the modules.
+        self.lora = None
+        if max_loras > 0:
+            from executor.lora import LoraManager
+
+            self.lora = LoraManager(model, max_loras, max_lora_rank, max_cpu_loras)
         if prepack:  # bf16 (native, or on AVX2) and fp32 on AVX2-only CPUs; a no-op elsewhere
             from executor.cpu.fused_modules import fuse_llama_blocks
             from executor.cpu.packed_linear import prepack_linears
@@ -148,6 +161,13 @@ class ModelRunner:
         self.lean = None
         if prepack and lean_forward:
             self.lean = fast_forward.build(model)
+        if self.lora is not None:
+            if self.lean is not None:
+                self.lean.lora = self.lora
+            else:
+                from executor.lora import wrap_transformers_modules
+
+                wrap_transformers_modules(model, self.lora)
         if prepack:  # the blocks live on in the packed weights (and the lean forward's fused q|k|v)
             from executor.cpu import gguf_weights
 
@@ -191,7 +211,9 @@ class ModelRunner:
         self.gpu = None  # the GPU lean forward, where it runs this model
         self.graphs = None  # its decode steps as CUDA graphs
         self.graph_capture: dict | None = None
-        if self.device.type == "cuda" and attention_backend == "native" and lean_forward:
+        if self.device.type == "cuda" and attention_backend == "native" and lean_forward and self.lora is not None:
+            _LOGGER.info("GPU lean forward off; the transformers forward runs", reason="LoRA adapters")
+        elif self.device.type == "cuda" and attention_backend == "native" and lean_forward:
             self._build_gpu_forward(model, cuda_graph_max_batch)
 
     def _build_gpu_forward(self, model: torch.nn.Module, cuda_graph_max_batch: int) -> None:
@@ -225,6 +247,7 @@ class ModelRunner:
                 sampling=_sampling_from_pb(new.sampling),
                 num_output=new.num_output_tokens,
                 num_prompt=len(new.token_ids) - new.num_output_tokens,
+                lora_slot=new.lora_slot,
             )
             if state.num_computed >= len(state.token_ids) and seq.num_tokens:
                 raise PlanError(f"seq {seq.seq_id}: nothing left to compute")
@@ -306,6 +329,12 @@ class ModelRunner:
         Raises PlanError, before any model work, where the plan contradicts
         the executor's state."""
         self.state.free(plan.free_seq_ids)
+        if plan.lora_slots:
+            if self.lora is None:
+                raise PlanError("the plan assigns LoRA slots; this executor serves no adapters (--max-loras 0)")
+            in_use = {st.lora_slot for st in self.state.seqs.values()}
+            for a in plan.lora_slots:
+                self.lora.assign(a.slot, a.name, a.path, in_use)
         self.kv.swap_out([(c.src, c.dst) for c in plan.swap_out])
         self.kv.swap_in([(c.src, c.dst) for c in plan.swap_in])
         self._dropped.difference_update(plan.free_seq_ids)
@@ -339,6 +368,12 @@ class ModelRunner:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise SeqError(f"seq {s.seq_id}: {what} {bad} is outside the model's vocabulary [0, {vocab})")
+        if s.HasField("new") and s.new.lora_slot:
+            why = (
+                "this executor serves no LoRA adapters" if self.lora is None else self.lora.slot_error(s.new.lora_slot)
+            )
+            if why is not None:
+                raise SeqError(f"seq {s.seq_id}: {why}")
         masks = len(s.draft_token_ids) + 1
         if s.allowed_tokens and len(s.allowed_tokens) != masks * 4 * -(-vocab // 32):
             raise SeqError(
@@ -387,6 +422,7 @@ class ModelRunner:
         sample_lens: list[int] = []
         prompt_rows: list[tuple[int, SeqState, int, int, int]] = []
         seg_tables: list[list[int]] = []  # per query (cu_seqlens entry), its block table
+        row_slots: list[int] = []  # per row, its LoRA slot (0 = the base model)
         bs = self.block_size
         max_blocks = 1
         for seq_id, n, st in scheduled:
@@ -404,6 +440,7 @@ class ModelRunner:
                 positions.extend(rng)
                 slots.extend(table[p // bs] * bs + p % bs for p in rng)
             row0, seg0 = cu[-1], len(seq_lens)
+            row_slots.extend([st.lora_slot] * n)
             k = len(st.drafts)
             # A drafted sequence's rows go as queries of at most draft_q_len
             # tokens: each an attention item of the decode path, whose
@@ -464,6 +501,8 @@ class ModelRunner:
             max_q_len=max(b - a for a, b in zip(cu, cu[1:])),
             prompt_rows=prompt_rows,
             rope_lengths=self._rope_lengths(scheduled) if self.longrope is not None else None,
+            lora_rows=row_slots if any(row_slots) else None,
+            sample_row_list=sample_rows,
         )
 
     def _rope_lengths(self, scheduled: list[tuple[int, int, SeqState]]) -> torch.Tensor:
@@ -478,6 +517,15 @@ class ModelRunner:
     def _run_model(self, batch: _Batch, all_rows: bool = False) -> torch.Tensor:
         """The final hidden states of the rows that sample, in order (of
         every row with `all_rows`)."""
+        if self.lora is None:
+            return self._forward(batch, all_rows)
+        self.lora.begin(batch.lora_rows, batch.sample_row_list)
+        try:
+            return self._forward(batch, all_rows)
+        finally:
+            self.lora.end()
+
+    def _forward(self, batch: _Batch, all_rows: bool) -> torch.Tensor:
         meta = batch.meta
         num_sampled = len(batch.sample_seqs)
         if self.longrope is not None:

@@ -140,7 +140,21 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             eos_token_ids=self.eos_ids,
             instance_id=self.instance_id,
             sampling_defaults=self.sampling_defaults,
+            max_loras=r.lora.max_loras if r.lora is not None else 0,
+            max_lora_rank=r.lora.max_rank if r.lora is not None else 0,
         )
+
+    def LoadLora(self, request, context):
+        lora = self.runner.lora
+        if lora is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this executor serves no LoRA adapters (--max-loras 0)")
+        from executor.lora import LoraError
+
+        try:  # on the main thread, between steps: the host cache is the steps' too
+            adapter = self.worker.call(lora.load, request.name, request.path)
+        except (LoraError, OSError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.LoadLoraResponse(rank=adapter.rank, target_modules=adapter.targets)
 
     def Step(self, request: pb.Plan, context):
         with self._order:

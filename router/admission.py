@@ -69,6 +69,12 @@ async def admit(
         # The tenant goes into every block hash under the request's own salt:
         # tenants never share prefix-cache blocks.
         req.cache_salt = f"{tenant}\0{req.cache_salt}"
+        if msg.model and msg.model != engine.name:
+            req.lora = engine.loras.get(msg.model)
+            if req.lora is None:  # unloaded since the model was looked up
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {msg.model[:128]!r} is not served here")
+            # Blocks computed with an adapter are that adapter's alone.
+            req.cache_salt += f"\0lora:{req.lora.name}"
         if req.sampling.prompt_logprobs is not None:
             # Every prompt token's logprob needs its row computed: a salt of
             # its own keeps the request off cached blocks.

@@ -33,6 +33,20 @@ def _common(p: argparse.ArgumentParser) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
         "(the config's speculative section; docs/speculative.md)",
     )
+    # LoRA (the config's lora section; docs/lora.md), with vLLM's flag names.
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    p.add_argument(
+        "--lora-modules",
+        "--lora",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) requests choose by `model`; repeatable",
+    )
+    p.add_argument("--max-loras", type=int, default=None, help="adapters one step can run with (default 4)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 64)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept read in memory (default max-loras)")
 
 
 def build_parser() -> argparse.ArgumentParser:

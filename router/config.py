@@ -270,6 +270,31 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters over the model (vLLM's --enable-lora options; docs/lora.md)."""
+
+    # Served from the start: [{name, path}], a PEFT directory each. Requests
+    # choose one by its name in `model`.
+    adapters: list = field(default_factory=list)
+    # Adapters a step can run with at once (the executor's slots).
+    max_loras: int = 4
+    # The largest rank an adapter may have.
+    max_lora_rank: int = 64
+    # Adapters the executor keeps read in host memory (0 = max_loras).
+    max_cpu_loras: int = 0
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and gRPC's
+    # LoadLoraAdapter / UnloadLoraAdapter); refused while false.
+    allow_runtime_updates: bool = False
+    # LoRA on with no adapter at start (implied by adapters or
+    # allow_runtime_updates).
+    enable_lora: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.enable_lora or self.adapters or self.allow_runtime_updates)
+
+
+@dataclass
 class LimitsConfig:
     # Backpressure: beyond these, new requests get RESOURCE_EXHAUSTED at once.
     max_queued_requests: int = 1024
@@ -345,6 +370,7 @@ class ModelConfig:
     scheduler: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)
     speculative: dict = field(default_factory=dict)
+    lora: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -357,6 +383,7 @@ class RouterConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Several models behind one router (empty = the one of `--model`).
     models: list = field(default_factory=list)
 
@@ -380,6 +407,7 @@ def model_config(cfg: RouterConfig, m: ModelConfig, where: str) -> RouterConfig:
         ("scheduler", SchedulerConfig),
         ("cache", CacheConfig),
         ("speculative", SpeculativeConfig),
+        ("lora", LoraConfig),
     ):
         override = getattr(m, name)
         if not isinstance(override, dict):
@@ -431,8 +459,55 @@ def validate_speculative(sp: SpeculativeConfig, where: str = "speculative") -> N
         )
 
 
+def validate_lora(lc: LoraConfig, model_names: tuple[str, ...] = (), where: str = "lora") -> None:
+    for name in ("max_loras", "max_lora_rank"):
+        _positive(getattr(lc, name), f"{where}.{name}")
+    _positive(lc.max_cpu_loras, f"{where}.max_cpu_loras", True)
+    if lc.max_cpu_loras and lc.max_cpu_loras < lc.max_loras:
+        raise ConfigError(f"{where}.max_cpu_loras: {lc.max_cpu_loras} is less than max_loras ({lc.max_loras})")
+    if not isinstance(lc.adapters, list):
+        raise ConfigError(f"{where}.adapters: expected a list of {{name, path}}, got {type(lc.adapters).__name__}")
+    seen: set[str] = set()
+    for i, a in enumerate(lc.adapters):
+        at = f"{where}.adapters[{i}]"
+        if not isinstance(a, dict) or set(a) != {"name", "path"}:
+            raise ConfigError(f"{at}: expected {{name, path}}, got {a!r}")
+        if not adapter_name_ok(a["name"]) or not isinstance(a["path"], str) or not a["path"]:
+            raise ConfigError(f"{at}: name must be letters, digits, - _ . / : and path a directory, got {a!r}")
+        if a["name"] in seen or a["name"] in model_names:
+            raise ConfigError(f"{at}.name: {a['name']!r} is already a model or adapter name")
+        seen.add(a["name"])
+
+
+def adapter_name_ok(name: Any) -> bool:
+    """A LoRA adapter's name: 1-128 letters, digits, - _ . / and :."""
+    return isinstance(name, str) and 0 < len(name) <= 128 and all(c.isalnum() or c in "-_./:" for c in name)
+
+
+def lora_modules(values: list[str]) -> list[dict]:
+    """--lora-modules NAME=PATH ... (or vLLM's JSON form {"name", "path"})."""
+    out = []
+    for v in values:
+        v = v.strip()
+        if v.startswith("{"):
+            try:
+                data = json.loads(v)
+            except ValueError as exc:
+                raise ConfigError(f"--lora-modules: {v[:80]!r} is not JSON ({exc})") from None
+            if not isinstance(data, dict) or not {"name", "path"} <= set(data):
+                raise ConfigError(f"--lora-modules: {v[:80]!r} needs name and path")
+            out.append({"name": data["name"], "path": data["path"]})
+            continue
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules: {v[:80]!r} is not NAME=PATH")
+        out.append({"name": name, "path": path})
+    return out
+
+
 def validate(cfg: RouterConfig) -> RouterConfig:
     """Checks cross-field rules; returns cfg or raises ConfigError."""
+    validate_lora(cfg.lora, (cfg.server.served_model_name,) if cfg.server.served_model_name else ())
     s = cfg.scheduler
     if s.policy not in BUILTIN_POLICIES and ":" not in s.policy:
         raise ConfigError(
@@ -636,6 +711,16 @@ def apply_overrides(cfg: RouterConfig, args) -> None:
             raise ConfigError(f"--speculative-config: not JSON ({exc})") from None
         cfg.speculative = build_section(SpeculativeConfig, data, "--speculative-config")
         validate_speculative(cfg.speculative, "--speculative-config")
+    adapters = lora_modules(getattr(args, "lora_modules", None) or [])
+    for key in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        if getattr(args, key, None) is not None:
+            setattr(cfg.lora, key, getattr(args, key))
+    if adapters or getattr(args, "enable_lora", False):
+        if cfg.models:
+            raise ConfigError("--lora-modules / --enable-lora: with `models:` in the config, give each model's lora:")
+        cfg.lora.adapters = [*cfg.lora.adapters, *adapters]
+        cfg.lora.enable_lora = True
+    validate_lora(cfg.lora)
     if getattr(args, "executor_address", None):
         if cfg.models:
             raise ConfigError("--executor-address: with `models:` in the config, give each model's executor.address")

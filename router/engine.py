@@ -19,9 +19,10 @@ import structlog
 
 from router.auth import Authenticator
 from router.block_manager import BlockManager
-from router.config import ConfigError, RouterConfig
+from router.config import ConfigError, RouterConfig, adapter_name_ok
 from router.detokenizer import IncrementalDetokenizer
-from router.executor_client import ExecutorClient, ExecutorUnavailable, PlanRejected
+from router.executor_client import ExecutorClient, ExecutorUnavailable, LoraRefused, PlanRejected
+from router.lora import LoraAdapter, LoraSlots
 from router.metrics import Metrics
 from router.plan import encode_plan
 from router.policies import make_policy
@@ -32,7 +33,7 @@ from router.speculative import Speculator
 from router.tenants import OVERFLOW_TENANT
 from router.tokenizer import Tokenizer
 from router.tracing import RequestTracer
-from router.validation import sampling_defaults
+from router.validation import RequestError, sampling_defaults
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -225,6 +226,10 @@ class Engine:
         # plus ~overflow), and the tenants that have metric series, least
         # recently used first: both bounded, whatever ids clients send.
         self.tenants_live: dict[str, int] = {}
+        # LoRA adapters requests may choose by name (router/lora.py); empty
+        # with LoRA off. Registered with each executor it connects to.
+        self.loras: dict[str, LoraAdapter] = {a["name"]: LoraAdapter(a["name"], a["path"]) for a in cfg.lora.adapters}
+        self._lora_series: tuple[str, ...] | None = None
         self._tenant_series: OrderedDict[str, None] = OrderedDict()
 
     # -- lifecycle --------------------------------------------------------------
@@ -286,7 +291,8 @@ class Engine:
         eos = facts.eos_token_ids or self.tokenizer.eos_token_ids
         policy = make_policy(self.cfg.scheduler)
         speculator = Speculator(self.cfg.speculative) if self.cfg.speculative.method else None
-        self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context, speculator)
+        slots = await self._register_loras(d)
+        self.scheduler = Scheduler(self.cfg.scheduler, blocks, policy, eos, facts.max_context, speculator, slots)
         self._eos_ids = tuple(eos)
         if self.structured is None or self.structured.vocab_size != facts.vocab_size:
             from router.structured import Structured
@@ -307,6 +313,80 @@ class Engine:
             policy=policy.name,
         )
         self._set_ready(True)
+
+    async def _register_loras(self, d) -> LoraSlots | None:
+        """Has a (new) executor read every adapter; drops, logging why, the
+        ones it refuses. The slots, or None with LoRA off."""
+        if not self.cfg.lora.enabled:
+            return None
+        if not d.max_loras:
+            _LOGGER.error("LoRA is on but the executor has no adapter slots (start it with --max-loras)")
+            self.loras.clear()
+            return None
+        for a in list(self.loras.values()):
+            try:
+                await self.register_lora(a)
+            except LoraRefused as exc:
+                _LOGGER.error("lora adapter refused by the executor; not served", adapter=a.name, reason=str(exc))
+                del self.loras[a.name]
+        return LoraSlots(d.max_loras)
+
+    async def register_lora(self, a: LoraAdapter) -> None:
+        r = await self.client.load_lora(a.name, a.path)
+        a.rank, a.targets = r.rank, tuple(r.target_modules)
+        _LOGGER.info("lora adapter", model=self.name, adapter=a.name, rank=a.rank, targets=list(a.targets))
+
+    async def load_adapter(self, name: str, path: str, taken: set[str]) -> LoraAdapter:
+        """A run-time load (vLLM's /v1/load_lora_adapter); RequestError
+        when it cannot be served. `taken`: the names of models and adapters."""
+        self._check_runtime_lora()
+        if not adapter_name_ok(name):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "lora_name: 1-128 letters, digits, - _ . / :")
+        if not path:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: required (a PEFT directory)")
+        if name in taken:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"the name {name!r} is already a model or adapter")
+        adapter = LoraAdapter(name, path)
+        try:
+            await self.register_lora(adapter)
+        except LoraRefused as exc:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"lora adapter {name!r}: {exc}") from None
+        except ExecutorUnavailable as exc:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        if name in self.loras:  # loaded twice at once: the first one stays
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"the name {name!r} is already an adapter")
+        self.loras[name] = adapter
+        return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        """Refused while requests use the adapter (waiting, running or
+        swapped out): they would have to fail or change model mid-way."""
+        self._check_runtime_lora()
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"no lora adapter {name[:128]!r} is loaded")
+        users = [h for h in self.handles.values() if h.req.lora is adapter]
+        if users:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"lora adapter {name!r} is in use by {len(users)} request(s); unload it when they end",
+            )
+        del self.loras[name]
+        if self.scheduler is not None and self.scheduler.lora_slots is not None:
+            self.scheduler.lora_slots.evict(name)
+            self._wake.set()  # the slot is cleared with the next plan
+        _LOGGER.info("lora adapter unloaded", model=self.name, adapter=name)
+
+    def _check_runtime_lora(self) -> None:
+        if not self.cfg.lora.allow_runtime_updates:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "loading and unloading LoRA adapters at run time is off (lora.allow_runtime_updates)",
+            )
+        if self.facts is None or self.scheduler is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the executor is not available")
+        if self.scheduler.lora_slots is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "the executor has no LoRA adapter slots")
 
     # -- intake -----------------------------------------------------------------
     def bounded_tenant(self, tenant: str) -> str:
@@ -802,6 +882,29 @@ class Engine:
             self._inc_to(counter, total)
         for pos, total in enumerate(sched.spec_accepted_per_pos):
             self._inc_to(m.spec_decode_num_accepted_tokens_per_pos.labels(position=str(pos)), total)
+        self._update_lora_gauge(sched)
+
+    def _update_lora_gauge(self, sched: Scheduler) -> None:
+        def names(reqs) -> str:
+            return ",".join(sorted({r.lora.name for r in reqs if r.lora is not None}))
+
+        # With LoRA off: max_lora 0 (the gateway's LoRA scorer sends no adapter here).
+        max_lora = sched.lora_slots.max_loras if sched.lora_slots is not None else 0
+        labels = (str(max_lora), names(sched.running + sched.swapped), names(sched.waiting))
+        m = self.metrics
+        if labels != self._lora_series:
+            if self._lora_series is not None:
+                m.lora_requests_info.remove_where(
+                    max_lora=self._lora_series[0],
+                    running_lora_adapters=self._lora_series[1],
+                    waiting_lora_adapters=self._lora_series[2],
+                )
+                m.vllm_lora_requests_info.remove(*self._lora_series)
+            self._lora_series = labels
+        now = time.time()
+        keys = dict(zip(("max_lora", "running_lora_adapters", "waiting_lora_adapters"), labels))
+        m.lora_requests_info.labels(**keys).set(now)
+        m.vllm_lora_requests_info.labels(*labels).set(now)
 
     def _inc_to(self, counter, total: int) -> None:
         """Advances a Prometheus counter to the scheduler's running total (the

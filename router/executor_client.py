@@ -32,6 +32,10 @@ class ExecutorUnavailable(Exception):
     """The executor is down, hung or restarted: in-flight work is lost."""
 
 
+class LoraRefused(Exception):
+    """The executor refused a LoRA adapter; the message says why."""
+
+
 class ExecutorClient:
     def __init__(self, cfg: ExecutorConfig) -> None:
         self.cfg = cfg
@@ -140,6 +144,19 @@ class ExecutorClient:
         if self._stream is not None:
             self._stream.fail(ExecutorUnavailable(why))
             self._stream = None
+
+    async def load_lora(self, name: str, path: str, timeout: float = 60.0) -> pb.LoadLoraResponse:
+        """Has the executor read and check an adapter. Raises LoraRefused
+        (INVALID_ARGUMENT, FAILED_PRECONDITION: the message says why) or
+        ExecutorUnavailable."""
+        if self._stub is None:
+            self._open()
+        try:
+            return await self._stub.LoadLora(pb.LoadLoraRequest(name=name, path=path), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                raise LoraRefused(exc.details()) from exc
+            raise ExecutorUnavailable(f"LoadLora failed: {exc.code().name}: {exc.details()}") from exc
 
     async def reset(self) -> None:
         # Plans still on the old stream belong to the state being dropped.

@@ -27,7 +27,7 @@ import uvicorn
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cbserve.v1 import generation_pb2 as gpb
@@ -224,6 +224,19 @@ class ChatBody(_Common):
     parallel_tool_calls: bool = True
 
 
+class LoraAdapterBody(_Body):
+    lora_name: str
+    lora_path: str | None = None
+    # The base model (none: the first); cbserve's extension.
+    model: str | None = None
+
+
+def _lora_status(exc: RequestError) -> int:
+    """A run-time adapter change's refusal: FAILED_PRECONDITION (in use) is a
+    409 conflict, the rest as every other endpoint maps them."""
+    return 409 if exc.code == grpc.StatusCode.FAILED_PRECONDITION else HTTP_STATUS.get(exc.code, 500)
+
+
 class TokenizeBody(_Body):
     model: str | None = None
     prompt: str | None = None
@@ -283,6 +296,8 @@ class OpenAIApi:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -306,6 +321,9 @@ class OpenAIApi:
         """The API of the model a body names (none: the first); 404 for a
         name not served here, as OpenAI answers."""
         api = self.apis.get(name) if name else self.default
+        if api is None and name:  # a LoRA adapter: its base model's API
+            engine = self.models.adapter_engine(name)
+            api = self.apis[engine.name] if engine is not None else None
         if api is None:
             served = ", ".join(repr(n) for n in self.apis)
             raise self.default._refused(
@@ -341,7 +359,32 @@ class OpenAIApi:
         self.default._authorize(request)
         if not any(api.engine.facts is not None for api in self.apis.values()):
             raise self.default._refused(503, "the executor is not available")
-        return JSONResponse({"object": "list", "data": [api.card() for api in self.apis.values()]})
+        cards = [card for api in self.apis.values() for card in (api.card(), *api.adapter_cards())]
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: HttpRequest) -> Response:
+        """vLLM's run-time load: {lora_name, lora_path}; 200 with a text line."""
+        body, api = await self._lora_body(request)
+        try:
+            await api.engine.load_adapter(body.lora_name, body.lora_path or "", self.models.taken_names())
+        except RequestError as exc:
+            raise api._refused(_lora_status(exc), exc.message) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: HttpRequest) -> Response:
+        body, api = await self._lora_body(request)
+        try:
+            api.engine.unload_adapter(body.lora_name)
+        except RequestError as exc:
+            raise api._refused(_lora_status(exc), exc.message) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    async def _lora_body(self, request: HttpRequest) -> tuple["LoraAdapterBody", "ModelApi"]:
+        body = await self.default._json(request, LoraAdapterBody)
+        api = self._api(body.model) if body.model else self.default
+        if not api.engine.cfg.lora.allow_runtime_updates:  # as vLLM without its switch: no such endpoint
+            raise api._refused(404, f"{request.url.path}: off (lora.allow_runtime_updates is false)")
+        return body, api
 
     async def health(self, request: HttpRequest) -> Response:
         """200 while any model serves; `?model=NAME` asks about one."""
@@ -365,6 +408,22 @@ class ModelApi:
     # -- plumbing ---------------------------------------------------------------
     def model_name(self) -> str:
         return self.engine.name
+
+    def adapter_cards(self) -> list[dict]:
+        """The model's LoRA adapters, as vLLM lists them (parent: the base)."""
+        cards = []
+        for a in self.engine.loras.values():
+            card = {"id": a.name, "object": "model", "created": 0, "owned_by": "cbserve", "root": a.path}
+            card["parent"] = self.model_name()
+            if self.engine.facts is not None:
+                card["max_model_len"] = self.engine.facts.max_context
+            cards.append(card)
+        return cards
+
+    def served_name(self, handles: list[RequestHandle]) -> str:
+        """The `model` a response names: the adapter a request chose, else the model."""
+        lora = handles[0].req.lora if handles else None
+        return lora.name if lora is not None else self.model_name()
 
     def card(self) -> dict:
         card = {"id": self.model_name(), "object": "model", "created": 0, "owned_by": "cbserve"}
@@ -493,6 +552,7 @@ class ModelApi:
         structured = self._structured(body)
         logprobs, top_logprobs = self._logprobs(body)
         return gpb.GenerateRequest(
+            model=body.model or "",
             request_id=request_id,
             structured=structured,
             sampling=sampling,
@@ -775,7 +835,7 @@ class ModelApi:
             "id": cid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
-            "model": self.model_name(),
+            "model": self.served_name(handles),
             "choices": choices,
             "usage": _usage(handles),
         }
@@ -856,7 +916,7 @@ class ModelApi:
         tools: ToolUse | None = None,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
-        model = self.model_name()
+        model = self.served_name(handles)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list[dict], usage: dict | None = None) -> bytes:

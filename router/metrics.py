@@ -199,6 +199,22 @@ class Metrics:
             labelnames=(*_MODEL, "position"),
             registry=r,
         )
+        # LoRA: which adapters run and wait, as vLLM's vllm:lora_requests_info
+        # (the inference gateway's LoRA-affinity scorer reads it): one series,
+        # its value the time it was set, labels the adapter names joined by ",".
+        lora_labels = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+        self.lora_requests_info = Gauge(
+            "cbserve_lora_requests_info",
+            "LoRA adapters of running and waiting requests (labels); value: when set (Unix time)",
+            labelnames=(*_MODEL, *lora_labels),
+            registry=r,
+        )
+        self.vllm_lora_requests_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests (vLLM's name, for the inference gateway)",
+            labelnames=lora_labels,
+            registry=r,
+        )
         self.executor_restarts = Counter(
             "cbserve_executor_reconnects",
             "Times the router reconnected to a (new) executor",
@@ -256,7 +272,9 @@ class ModelMetrics:
         self.name = name
         self.registry = metrics.registry
         for attr, metric in vars(metrics).items():
-            if isinstance(metric, MetricWrapperBase):
+            if isinstance(metric, MetricWrapperBase) and metric._labelnames[:1] != _MODEL:
+                setattr(self, attr, metric)  # a series without the model label (vLLM's names)
+            elif isinstance(metric, MetricWrapperBase):
                 bound = metric.labels(name) if len(metric._labelnames) == 1 else _Labelled(metric, name)
                 setattr(self, attr, bound)
 

@@ -36,11 +36,19 @@ class Models:
         served here is NOT_FOUND, naming the ones that are."""
         if not name:
             return self.default
-        engine = self._by_name.get(name)
+        engine = self._by_name.get(name) or self.adapter_engine(name)
         if engine is None:
             served = ", ".join(repr(n) for n in self.names)
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {name[:128]!r} is not served here (served: {served})")
         return engine
+
+    def taken_names(self) -> set[str]:
+        """Every name a request can choose: models and their adapters."""
+        return {*self._by_name, *(a for e in self.engines for a in e.loras)}
+
+    def adapter_engine(self, name: str) -> Engine | None:
+        """The engine whose model serves LoRA adapter `name`, or None."""
+        return next((e for e in self.engines if name in e.loras), None)
 
     def serving(self, engine: Engine | None = None) -> bool:
         """Whether `engine` (default: any model) takes requests now."""

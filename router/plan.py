@@ -68,6 +68,7 @@ def encode_plan(step_id: int, out: SchedulerOutput, eos_token_ids: tuple[int, ..
                     num_computed_tokens=req.num_computed_tokens,
                     sampling=_sampling(req, eos_token_ids),
                     num_output_tokens=len(req.output_token_ids),
+                    lora_slot=item.lora_slot,
                 )
             )
         if item.draft_token_ids:
@@ -83,4 +84,5 @@ def encode_plan(step_id: int, out: SchedulerOutput, eos_token_ids: tuple[int, ..
         free_seq_ids=out.free_seq_ids,
         swap_out=[pb.BlockCopy(src=a, dst=b) for a, b in out.swap_out],
         swap_in=[pb.BlockCopy(src=a, dst=b) for a, b in out.swap_in],
+        lora_slots=[pb.LoraSlot(slot=s, name=n, path=p) for s, n, p in out.lora_slots],
     )

@@ -72,6 +72,10 @@ class Request:
     slo_class: str = ""
     ttft_deadline: float | None = None
     tpot_s: float | None = None
+    # The LoRA adapter it runs with (None = the base model), and the executor
+    # slot it holds while admitted (0 = none; router/lora.py).
+    lora: object = None
+    lora_slot: int = 0
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
     # Speculative decoding: false = this request opted out; its draft
     # search state (router/speculative.py); drafts proposed, draft tokens

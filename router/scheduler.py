@@ -22,6 +22,7 @@ import structlog
 
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
+from router.lora import LoraSlots
 from router.policies import Policy
 from router.request import Finish, Request, Status
 from router.speculative import Speculator
@@ -41,6 +42,7 @@ class ScheduledSeq:
     # Speculative decoding: tokens proposed after the last one, counted in
     # num_tokens (router/speculative.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    lora_slot: int = 0  # the LoRA slot it computes with (0 = the base model)
 
 
 @dataclass
@@ -51,6 +53,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
     scheduled_at: float = 0.0  # the clock when it was planned (step timing)
+    # LoRA adapters put in executor slots before this step: (slot, name, path).
+    lora_slots: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +65,7 @@ class SchedulerOutput:
         return sum(s.num_prompt_tokens for s in self.seqs)
 
     def is_empty(self) -> bool:
-        return not (self.seqs or self.free_seq_ids or self.swap_out or self.swap_in)
+        return not (self.seqs or self.free_seq_ids or self.swap_out or self.swap_in or self.lora_slots)
 
     @property
     def is_decode_only(self) -> bool:
@@ -87,8 +91,10 @@ class Scheduler:
         eos_token_ids: list[int],
         max_context: int,
         speculator: Speculator | None = None,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
         self.cfg = cfg
+        self.lora_slots = lora_slots
         self.speculator = speculator
         # Speculative decoding totals: steps' drafts, draft tokens, accepted
         # tokens, and accepted tokens by draft position (vLLM's meanings).
@@ -147,6 +153,7 @@ class Scheduler:
         if req.executor_has_state:
             self._to_free.append(req.seq_id)
             req.executor_has_state = False
+        self._release_lora(req)
         req.pending_block_ids = []
         req.status = Status.FINISHED
         req.finish = reason
@@ -184,6 +191,7 @@ class Scheduler:
             if victim.executor_has_state:
                 out.free_seq_ids.append(victim.seq_id)
                 victim.executor_has_state = False
+            self._release_lora(victim)
             victim.status = Status.WAITING
             self.waiting.append(victim)
         self.policy.on_preempted(victim)
@@ -275,7 +283,14 @@ class Scheduler:
         if not memory_preempted:
             budget = self._resume_swapped(budget, now, out, scheduled)
             self._admit_waiting(budget, now, out)
+        if self.lora_slots is not None:
+            out.lora_slots = self.lora_slots.take_pending()
         return out
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot and self.lora_slots is not None:
+            self.lora_slots.release(req.lora.name)
+        req.lora_slot = 0
 
     def _outranked_by_waiting(self, req: Request) -> bool:
         """A preemptive policy's swapped request yields to a waiting one that
@@ -285,6 +300,7 @@ class Scheduler:
     def _item(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
         prompt = max(0, min(req.num_computed_tokens + n, len(req.prompt_token_ids)) - req.num_computed_tokens)
         item = ScheduledSeq(req, n, req.pending_block_ids, prompt, not req.executor_has_state, req.replace_block_table)
+        item.lora_slot = req.lora_slot
         if drafts:
             item.draft_token_ids = drafts
             item.num_prompt_tokens = 0
@@ -344,10 +360,12 @@ class Scheduler:
             return
         self.waiting.sort(key=lambda r: self.policy.waiting_key(r, now))
         admitted = 0
-        while self.waiting and budget > 0 and admitted < limit:
+        i = 0  # requests before it wait for a LoRA slot (router/lora.py)
+        lora_blocked = False
+        while i < len(self.waiting) and budget > 0 and admitted < limit:
             if len(self.running) >= self.cfg.max_num_seqs:
                 break
-            req = self.waiting[0]
+            req = self.waiting[i]
             if not all(self.policy.outranks(req, s) for s in self.swapped):
                 break  # swapped requests come back first, unless outranked
             if req.group is not None and self._group_prefilling(req.group):
@@ -355,6 +373,10 @@ class Scheduler:
                 # this one waits and then takes its blocks from the prefix
                 # cache instead of computing them again.
                 break
+            if req.lora is not None and not self._lora_admissible(req, lora_blocked):
+                lora_blocked = lora_blocked or req.lora.name not in self.lora_slots.slot_of
+                i += 1
+                continue
             cached = self.blocks.lookup_prefix(req)
             computed = len(cached) * self.blocks.block_size
             remaining = req.num_tokens - computed
@@ -364,7 +386,9 @@ class Scheduler:
             new = self.blocks.allocate(req, computed + n, cached, reserve=self.blocks.watermark_blocks)
             if new is None:
                 break
-            self.waiting.pop(0)
+            if req.lora is not None:
+                req.lora_slot = self.lora_slots.acquire(req.lora)
+            self.waiting.pop(i)
             req.num_computed_tokens = computed
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -376,6 +400,23 @@ class Scheduler:
             out.seqs.append(self._item(req, n))
             budget -= n
             admitted += 1
+        if self.lora_slots is not None and not lora_blocked:
+            self.lora_slots.draining = None
+
+    def _lora_admissible(self, req: Request, blocked: bool) -> bool:
+        """Whether a request for a LoRA adapter may run now (router/lora.py):
+        its adapter holds a slot that is not draining, or (no request before
+        it waiting for one) a slot is free or evictable. The first request
+        refused a slot picks a slot to drain."""
+        slots = self.lora_slots
+        name = req.lora.name
+        if name in slots.slot_of:
+            return name != slots.draining
+        if not blocked and slots.can_acquire(name):
+            return True
+        if not blocked:
+            slots.pick_draining()
+        return False
 
     # -- one iteration ahead ---------------------------------------------------------
     def schedule_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:

@@ -164,6 +164,7 @@ class GenerationService(gpb_grpc.GenerationServicer):
         return gpb.ModelInfoResponse(
             model=eng.name,
             models=self.models.names,
+            lora_adapters=sorted(eng.loras),
             dtype=f.dtype,
             max_context_length=f.max_context,
             vocab_size=f.vocab_size,
@@ -174,6 +175,22 @@ class GenerationService(gpb_grpc.GenerationServicer):
             max_new_tokens_limit=self.cfg.limits.max_new_tokens,
             attention_backend=f.attention_backend,
         )
+
+    async def LoadLoraAdapter(self, request, context):
+        eng = await self._engine(request.model, context)
+        try:
+            await eng.load_adapter(request.lora_name, request.lora_path, self.models.taken_names())
+        except RequestError as exc:
+            await self._refuse(context, exc.code, exc.message, eng)
+        return gpb.LoraAdapterResponse(message=f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    async def UnloadLoraAdapter(self, request, context):
+        eng = await self._engine(request.model, context)
+        try:
+            eng.unload_adapter(request.lora_name)
+        except RequestError as exc:
+            await self._refuse(context, exc.code, exc.message, eng)
+        return gpb.LoraAdapterResponse(message=f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 
 # When the client's deadline passes or it cancels, gRPC's core ends the call

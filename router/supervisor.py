@@ -135,6 +135,12 @@ def _executor_argv(args, e: ModelEntry, index: int, config_path: str | None) -> 
     ]
     if config_path:
         argv += ["--config", config_path]
+    lora = e.cfg.lora
+    if lora.enabled:  # the adapters given at start are read (and checked) before the executor is ready
+        argv += ["--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank)]
+        argv += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+        for a in lora.adapters:
+            argv += ["--lora-modules", f"{a['name']}={a['path']}"]
     ex = e.cfg.executor
     if not ex.address.startswith("unix://"):
         if ex.tls_cert_file:

@@ -56,7 +56,16 @@ def make_llm(args):
     from bench.peers.common import norm_dtype
 
     t_start = time.perf_counter()
+    lora = {}
+    if args.lora_modules:  # vLLM's --enable-lora with the same adapters as cbserve's
+        lora = dict(
+            enable_lora=True,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=max(args.max_loras, len(args.lora_modules)),
+        )
     llm = LLM(
+        **lora,
         model=args.model,
         tokenizer=args.model,
         dtype=norm_dtype(args.dtype),
@@ -86,10 +95,22 @@ def run(args, llm, startup_s: float, workload_path: str) -> dict:
     llm.generate([{"prompt_token_ids": w.requests[0].prompt_ids}], [sp(2)], use_tqdm=False)
 
     recs = {r.index: _rec(r) for r in w.requests}
+    spread = args.lora_spread_now
+    adapters = [m.split("=", 1) for m in args.lora_modules or []]
+
+    def lora_for(r):
+        if not spread:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        i = r.index % spread
+        return LoRARequest(adapters[i][0], i + 1, adapters[i][1])
+
     if args.mode == "generate":
         prompts = [{"prompt_token_ids": r.prompt_ids} for r in w.requests]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, [sp(r.max_new_tokens) for r in w.requests], use_tqdm=True)
+        loras = [lora_for(r) for r in w.requests] if spread else None
+        outs = llm.generate(prompts, [sp(r.max_new_tokens) for r in w.requests], use_tqdm=True, lora_request=loras)
         end = time.perf_counter() - t0
         for r, o in zip(w.requests, outs):
             d = recs[r.index]
@@ -109,7 +130,9 @@ def run(args, llm, startup_s: float, workload_path: str) -> dict:
                 r = pending[i]
                 rid = f"bench-{r.index}"
                 recs[r.index]["send_s"] = time.perf_counter() - t0
-                engine.add_request(rid, {"prompt_token_ids": r.prompt_ids}, sp(r.max_new_tokens))
+                engine.add_request(
+                    rid, {"prompt_token_ids": r.prompt_ids}, sp(r.max_new_tokens), lora_request=lora_for(r)
+                )
                 seen[rid] = 0
                 i += 1
             if not engine.has_unfinished_requests():
@@ -170,13 +193,27 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="LoRA adapters (PEFT dirs)")
+    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument(
+        "--lora-spread",
+        nargs="*",
+        type=int,
+        default=[],
+        help="per workload: adapters its requests spread over (0: none)",
+    )
     args = ap.parse_args(argv)
     from bench.peers.common import write_json
 
     if len(args.workload) != len(args.out):
         ap.error("--workload and --out need the same number of paths")
     llm, startup_s = make_llm(args)  # one engine start-up (excluded) for every workload
-    for wpath, opath in zip(args.workload, args.out):
+    spreads = args.lora_spread or [0] * len(args.workload)
+    if len(spreads) != len(args.workload):
+        ap.error("--lora-spread needs one value per workload")
+    for wpath, opath, spread in zip(args.workload, args.out, spreads):
+        args.lora_spread_now = spread
         res = run(args, llm, startup_s, wpath)
         write_json(opath, res)
         print(

@@ -258,6 +258,9 @@ class LeanLlamaForward:
         # Gemma 3 rotates its sliding and full layers with different tables.
         self.rope_keys = sorted(set(cfg.layer_types)) if cfg.model_type in ROPE_PER_LAYER_TYPE else [""]
         self.layers = [self._layer(cfg, i, layer) for i, layer in enumerate(inner.layers)]
+        # The runner's LoraManager where adapters are served (executor/lora.py):
+        # its deltas go after q|k|v, o_proj and the MLP's projections.
+        self.lora = None
         for key in self.rope_keys:  # a partial rotary turns the first `width` dims (Phi-4-mini)
             zero = torch.zeros(1, dtype=torch.long)
             probe = torch.zeros(1, 1, dtype=self.embed.weight.dtype)  # the weight may be a meta tensor
@@ -346,6 +349,9 @@ class LeanLlamaForward:
                 h = self._add_rms_norm(x, residual, L.in_norm.weight, L.in_norm.eps)
             kc, vc = cache.key[L.index], cache.value[L.index]
             qkv = L.qkv(h)
+            lora = self.lora if self.lora is not None and self.lora.rows is not None else None
+            if lora is not None:
+                self._lora_qkv(lora, L.index, h, qkv)
             if L.qk_norm is not None:
                 self._norm_heads(qkv, L.qk_norm)
             elif L.qk_full_norm is not None:
@@ -365,10 +371,15 @@ class LeanLlamaForward:
                 q = q.index_select(0, sampled.rows)
                 residual = residual.index_select(0, sampled.rows)
                 attn, at = None, sampled
+                if lora is not None:
+                    lora.use_sampled()
             if attn is None:
                 attn = torch.empty_like(q)
             attend(attn, q, kc, vc, at.block_tables, at.cu_seqlens_q, at.seq_lens, L.scale, L.window, L.softcap)
-            o = L.o_proj(attn.view(q.shape[0], self.hq * self.head_dim))
+            o_in = attn.view(q.shape[0], self.hq * self.head_dim)
+            o = L.o_proj(o_in)
+            if lora is not None:
+                lora.add(L.index, "o_proj", o_in, o)
             if L.post is not None:
                 # residual += norm(o), then the same around the MLP, in place
                 # (the residual is this forward's own tensor): each sum
@@ -394,13 +405,21 @@ class LeanLlamaForward:
             return self.final_norm(residual)
         return self._add_rms_norm(x, residual, self.final_norm.weight, self.final_norm.eps)
 
-    @staticmethod
-    def _mlp(L: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, L: _Layer, h: torch.Tensor) -> torch.Tensor:
         """The layer's MLP on [T, H] rows: down(act(h)), or its mixture of
         experts (the block's own forward, which takes [1, T, H])."""
         if L.moe is None:
+            if self.lora is not None and self.lora.rows is not None:
+                return self.lora.mlp(L.index, L.act.__self__, h)
             return L.down(L.act(h))
         return L.moe(h.unsqueeze(0))[0]
+
+    def _lora_qkv(self, lora, layer: int, h: torch.Tensor, qkv: torch.Tensor) -> None:
+        """The q, k and v deltas, each into its columns of the fused projection."""
+        nq, nk = self.hq * self.head_dim, self.hkv * self.head_dim
+        lora.add(layer, "q_proj", h, qkv, 0)
+        lora.add(layer, "k_proj", h, qkv, nq)
+        lora.add(layer, "v_proj", h, qkv, nq + nk)
 
     def _sandwich(self, x: torch.Tensor, residual: torch.Tensor, first, second) -> torch.Tensor:
         """residual += first(x) in place; returns second(residual)."""

@@ -128,6 +128,29 @@ class FusedMLP(torch.nn.Module):
         )
         return out.reshape(*x.shape[:-1], self.inter)
 
+    def projection(self, x: torch.Tensor) -> torch.Tensor:
+        """The [T, 2I] gate|up projection of [T, H] rows, before the
+        activation (a LoRA step adds its deltas there, executor/lora.py).
+        Over amx_pack_gate_up's packing the linear kernel of the same tiles
+        gives gate block j, up block j; the rows are put back in [gate | up]
+        order. `activate` of it equals `act(x)` bit for bit."""
+        if self.gate_up is not None:
+            return self.gate_up(x)
+        x = x.contiguous()
+        n = 2 * self.inter
+        amx = packed_linear.amx_ops()
+        if amx is not None:
+            gu = amx[1](x, self.packed_gate_up, n, None)
+        else:
+            packed = packed_linear.blocks_or_tiles(self.packed_gate_up, self.packed_blocks, x.shape[0])
+            gu = packed_linear.avx512_ops()[1](x, packed, n, None)
+        t = x.shape[0]
+        return gu.view(t, self.inter // 16, 2, 16).transpose(1, 2).reshape(t, n)
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of a [T, 2I] projection."""
+        return self._op(gate_up, self.activation)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.act(x))
 

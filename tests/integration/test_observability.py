@@ -312,7 +312,7 @@ def test_model_info_reports_serving_facts(load):
 
 # -- docs/metrics.md --------------------------------------------------------------------
 DOC = os.path.join(REPO, "docs", "metrics.md")
-_ROW = re.compile(r"^\|\s*`(cbserve_[a-z0-9_]+)`\s*\|\s*(\w+)\s*\|([^|]*)\|([^|]*)\|\s*$")
+_ROW = re.compile(r"^\|\s*`((?:cbserve_|vllm:)[a-z0-9_]+)`\s*\|\s*(\w+)\s*\|([^|]*)\|([^|]*)\|\s*$")
 
 
 def _exported():

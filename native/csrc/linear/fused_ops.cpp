@@ -26,6 +26,7 @@
 #include "avx2_f32_linear.h"
 #include "avx512_linear.h"
 #include "gguf_linear.h"
+#include "lora_linear.h"
 
 namespace {
 
@@ -927,6 +928,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequant", &cbserve_fused::gguf_dequant, py::arg("packed"), py::arg("dtype"),
         py::call_guard<py::gil_scoped_release>(),
         "uint8 GGUF blocks -> the [N, K] weight gguf_linear computes with, float32 (exact) or bfloat16; any CPU.");
+  m.def("lora_add", &cbserve_fused::lora_add, py::arg("x"), py::arg("out"), py::arg("col0"), py::arg("slots"),
+        py::arg("a"), py::arg("bt"), py::arg("ranks"), py::arg("scales"), py::call_guard<py::gil_scoped_release>(),
+        "LoRA deltas in place: out[t, col0:col0+N] += scales[s-1] * (x[t] A[s-1]^T) Bt[s-1] for the rows t of "
+        "slot s = slots[t] > 0 (executor/lora.py); any CPU.");
   m.def("gguf_embed", &cbserve_fused::gguf_embed, py::arg("packed"), py::arg("ids"), py::arg("dtype"),
         py::call_guard<py::gil_scoped_release>(),
         "Rows ids (int64 [T]) of the weight packed as GGUF blocks, [T, K] float32 or bfloat16 as gguf_dequant "

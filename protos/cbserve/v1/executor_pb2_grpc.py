@@ -54,6 +54,11 @@ class ExecutorStub:
                 request_serializer=cbserve_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
                 response_deserializer=cbserve_dot_v1_dot_executor__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/cbserve.v1.Executor/LoadLora',
+                request_serializer=cbserve_dot_v1_dot_executor__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_executor__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -92,6 +97,14 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """Reads and checks a PEFT LoRA adapter and keeps it in the host cache; a
+        plan then puts it in a slot. INVALID_ARGUMENT names what is wrong with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +127,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=cbserve_dot_v1_dot_executor__pb2.ResetRequest.FromString,
                     response_serializer=cbserve_dot_v1_dot_executor__pb2.ResetResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=cbserve_dot_v1_dot_executor__pb2.LoadLoraRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_executor__pb2.LoadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +242,33 @@ class Executor:
             '/cbserve.v1.Executor/Reset',
             cbserve_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
             cbserve_dot_v1_dot_executor__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.Executor/LoadLora',
+            cbserve_dot_v1_dot_executor__pb2.LoadLoraRequest.SerializeToString,
+            cbserve_dot_v1_dot_executor__pb2.LoadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

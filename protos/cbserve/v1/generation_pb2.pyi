@@ -240,7 +240,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "max_context_length", "vocab_size", "block_size", "num_kv_blocks", "policy", "version", "max_new_tokens_limit", "attention_backend", "models")
+    __slots__ = ("model", "dtype", "max_context_length", "vocab_size", "block_size", "num_kv_blocks", "policy", "version", "max_new_tokens_limit", "attention_backend", "models", "lora_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class ModelInfoResponse(_message.Message):
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     max_context_length: int
@@ -263,4 +264,21 @@ class ModelInfoResponse(_message.Message):
     max_new_tokens_limit: int
     attention_backend: str
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., attention_backend: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., attention_backend: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "model")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    model: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterResponse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,16 @@ class GenerationStub:
                 request_serializer=cbserve_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=cbserve_dot_v1_dot_generation__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/cbserve.v1.Generation/LoadLoraAdapter',
+                request_serializer=cbserve_dot_v1_dot_generation__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_generation__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/cbserve.v1.Generation/UnloadLoraAdapter',
+                request_serializer=cbserve_dot_v1_dot_generation__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_generation__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -89,6 +99,22 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters at run time (vLLM's /v1/load_lora_adapter and
+        /v1/unload_lora_adapter): FAILED_PRECONDITION unless
+        lora.allow_runtime_updates; INVALID_ARGUMENT for an adapter that does
+        not fit the model; NOT_FOUND to unload one not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +137,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=cbserve_dot_v1_dot_generation__pb2.ModelInfoRequest.FromString,
                     response_serializer=cbserve_dot_v1_dot_generation__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=cbserve_dot_v1_dot_generation__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_generation__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=cbserve_dot_v1_dot_generation__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_generation__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +257,60 @@ class Generation:
             '/cbserve.v1.Generation/ModelInfo',
             cbserve_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
             cbserve_dot_v1_dot_generation__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.Generation/LoadLoraAdapter',
+            cbserve_dot_v1_dot_generation__pb2.LoraAdapterRequest.SerializeToString,
+            cbserve_dot_v1_dot_generation__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.Generation/UnloadLoraAdapter',
+            cbserve_dot_v1_dot_generation__pb2.LoraAdapterRequest.SerializeToString,
+            cbserve_dot_v1_dot_generation__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
