@@ -6,7 +6,10 @@ no prefix-cache block crosses adapters, and a bad adapter at start is exit 2."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -16,7 +19,7 @@ import torch
 
 from cbserve.v1 import generation_pb2 as gpb
 from executor import model_loader, model_source
-from tests.conftest import start_server
+from tests.conftest import start_server, wait_serving
 from tests.integration.helpers import gen_request, stub, wait_idle
 from tests.integration.test_faults import _serve_refused
 from tests.lora_adapters import make_adapter, peft_reference
@@ -168,7 +171,34 @@ def test_adapters_load_and_unload_at_run_time(server, adapters, tmp_path):
     wait_idle(server)
 
 
-def test_runtime_updates_are_off_by_default_and_a_bad_adapter_at_start_is_exit_2(adapters, tmp_path):
+def test_a_restarted_executor_gets_every_adapter_again(server, adapters):
+    """SIGKILL the executor: the supervisor starts a new one, the router
+    registers the adapters with it and starts its slots afresh."""
+    _, want, _, _ = adapters
+    before = server.metrics()["cbserve_executor_reconnects_total"]
+    os.kill(server.executor_pid(), signal.SIGKILL)
+    end = time.monotonic() + 60
+    while server.metrics()["cbserve_executor_reconnects_total"] <= before and time.monotonic() < end:
+        time.sleep(0.1)
+    wait_serving(server.address, 60)
+    for name in ("a4", "a0", ""):
+        assert _generate(server, name) == want[name], name
+    wait_idle(server)
+
+
+def test_runtime_updates_are_off_by_default(tiny_server, adapters):
+    paths, *_ = adapters
+    url = f"http://127.0.0.1:{tiny_server.http_port}/v1/load_lora_adapter"
+    r = httpx.post(url, json={"lora_name": "x", "lora_path": paths["a0"]})
+    assert r.status_code == 404 and "allow_runtime_updates" in r.json()["error"]["message"]
+    with tiny_server.channel() as ch, pytest.raises(grpc.RpcError) as err:
+        stub(ch).LoadLoraAdapter(gpb.LoraAdapterRequest(lora_name="x", lora_path=paths["a0"]))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    text = urllib.request.urlopen(f"http://127.0.0.1:{tiny_server.metrics_port}/metrics").read().decode()
+    assert 'vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}' in text
+
+
+def test_a_bad_adapter_at_start_is_exit_2(adapters, tmp_path):
     paths, *_ = adapters
     log = _serve_refused("--lora-modules", f"ok={paths['a0']}", f"bad={tmp_path / 'nothing'}")
     assert "lora adapter 'bad'" in log and "not a directory" in log
