@@ -20,7 +20,7 @@ import torch
 from cbserve.v1 import generation_pb2 as gpb
 from executor import model_loader, model_source
 from tests.conftest import start_server, wait_serving
-from tests.integration.helpers import gen_request, stub, wait_idle
+from tests.integration.helpers import executor_held, gen_request, stub, wait_idle
 from tests.integration.test_faults import _serve_refused
 from tests.lora_adapters import make_adapter, peft_reference
 
@@ -160,11 +160,13 @@ def test_adapters_load_and_unload_at_run_time(server, adapters, tmp_path):
 
     t = threading.Thread(target=long_one)
     t.start()
-    for _ in range(100):
+    for _ in range(200):
         if server.metrics().get("cbserve_num_requests_running"):
             break
         done.wait(0.05)
-    r = httpx.post(f"{base_url}/unload_lora_adapter", json={"lora_name": "a1"})
+    with executor_held(server):  # it cannot end while the unload is asked for
+        assert not done.is_set()
+        r = httpx.post(f"{base_url}/unload_lora_adapter", json={"lora_name": "a1"})
     t.join(120)
     assert r.status_code == 409 and "in use" in r.json()["error"]["message"]
     assert _generate(server, "a1") == want["a1"]
