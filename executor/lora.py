@@ -212,17 +212,10 @@ class LoraManager:
         self.broken: dict[int, str] = {}  # slot -> why its adapter could not be read
         self.stacks: dict[tuple[int, str], _Stack] = {}
         self.stack_rank = 0
-        self._native = None
-        if self.device.type == "cpu":
-            try:
-                import native._fused as fused
+        from executor.cpu.packed_linear import _fused
 
-                self._native = fused.lora_add
-            except (ImportError, AttributeError):
-                self._native = None
-        self._rows_all: torch.Tensor | None = None
+        self._native = getattr(_fused(), "lora_add", None) if self.device.type == "cpu" else None
         self._rows_sampled: torch.Tensor | None = None
-        self._slots_all: list[int] = []
         self._slots_sampled: list[int] = []
         self.rows: torch.Tensor | None = None  # int32 [T]: the rows' slots while a step with adapter rows runs
         self.row_list: list[int] = []
@@ -332,11 +325,9 @@ class LoraManager:
         if not row_slots:
             self.end()
             return
-        self._slots_all = row_slots
-        self._rows_all = torch.tensor(row_slots, dtype=torch.int32, device=self.device)
         self._slots_sampled = [row_slots[r] for r in sampled_rows] if sampled_rows is not None else []
         self._rows_sampled = torch.tensor(self._slots_sampled, dtype=torch.int32, device=self.device)
-        self._use(self._rows_all, self._slots_all)
+        self._use(torch.tensor(row_slots, dtype=torch.int32, device=self.device), row_slots)
 
     def use_sampled(self) -> None:
         self._use(self._rows_sampled, self._slots_sampled)
@@ -347,23 +338,26 @@ class LoraManager:
         self.rows = rows if self.active else None
 
     def end(self) -> None:
-        self.rows = self._rows_all = self._rows_sampled = None
-        self._slots_all = self._slots_sampled = self.row_list = []
+        self.rows = self._rows_sampled = None
+        self._slots_sampled = self.row_list = []
         self.active = []
+
+    def _stack(self, layer: int, target: str) -> "_Stack | None":
+        """The projection's stack where an adapter of this step's rows changes it, else None."""
+        st = self.stacks.get((layer, target))
+        if st is None or not any(st.rank_list[s - 1] for s in self.active):
+            return None
+        return st
 
     def targets(self, layer: int, *names: str) -> bool:
         """Whether an adapter of this step's rows changes one of these projections."""
-        for n in names:
-            st = self.stacks.get((layer, n))
-            if st is not None and any(st.rank_list[s - 1] for s in self.active):
-                return True
-        return False
+        return any(self._stack(layer, n) is not None for n in names)
 
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor, col: int = 0) -> None:
         """out[rows, col : col + width] += each row's adapter's delta of
         `target` over x[rows]; x [T, in], out [T, >= col + width] (2-D)."""
-        st = self.stacks.get((layer, target))
-        if st is None or self.rows is None or not any(st.rank_list[s - 1] for s in self.active):
+        st = self._stack(layer, target)
+        if st is None or self.rows is None:
             return
         if self._native is not None:
             self._native(x.contiguous(), out, col, self.rows, st.at, st.bt, st.ranks, st.scales)
@@ -442,24 +436,19 @@ class LoraMLP(torch.nn.Module):
         return lora.mlp(self.layer, self.fused, flat).reshape(*x.shape[:-1], -1)
 
 
-def wrap_transformers_modules(model: torch.nn.Module, lora: LoraManager) -> int:
+def wrap_transformers_modules(model: torch.nn.Module, lora: LoraManager) -> None:
     """Wraps the targetable projections of every decoder layer (the
-    transformers forward); returns how many."""
+    transformers forward)."""
     from executor.cpu.fused_modules import FusedMLP
 
-    count = 0
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         for name in ATTN_TARGETS:
             if (i, name) in lora.shapes:
                 setattr(attn, name, LoraLinear(getattr(attn, name), lora, i, name))
-                count += 1
         if isinstance(layer.mlp, FusedMLP):
             layer.mlp = LoraMLP(layer.mlp, lora, i)
-            count += 1
             continue
         for name in MLP_TARGETS:
             if (i, name) in lora.shapes:
                 setattr(layer.mlp, name, LoraLinear(getattr(layer.mlp, name), lora, i, name))
-                count += 1
-    return count

@@ -211,10 +211,11 @@ class ModelRunner:
         self.gpu = None  # the GPU lean forward, where it runs this model
         self.graphs = None  # its decode steps as CUDA graphs
         self.graph_capture: dict | None = None
-        if self.device.type == "cuda" and attention_backend == "native" and lean_forward and self.lora is not None:
-            _LOGGER.info("GPU lean forward off; the transformers forward runs", reason="LoRA adapters")
-        elif self.device.type == "cuda" and attention_backend == "native" and lean_forward:
-            self._build_gpu_forward(model, cuda_graph_max_batch)
+        if self.device.type == "cuda" and attention_backend == "native" and lean_forward:
+            if self.lora is not None:
+                _LOGGER.info("GPU lean forward off; the transformers forward runs", reason="LoRA adapters")
+            else:
+                self._build_gpu_forward(model, cuda_graph_max_batch)
 
     def _build_gpu_forward(self, model: torch.nn.Module, cuda_graph_max_batch: int) -> None:
         from executor.gpu import lean_forward as gpu_lean
@@ -440,7 +441,8 @@ class ModelRunner:
                 positions.extend(rng)
                 slots.extend(table[p // bs] * bs + p % bs for p in rng)
             row0, seg0 = cu[-1], len(seq_lens)
-            row_slots.extend([st.lora_slot] * n)
+            if self.lora is not None:
+                row_slots.extend([st.lora_slot] * n)
             k = len(st.drafts)
             # A drafted sequence's rows go as queries of at most draft_q_len
             # tokens: each an attention item of the decode path, whose
