@@ -208,10 +208,14 @@ class Scheduler:
     def _priority_preemption(self, now: float, out: SchedulerOutput) -> None:
         if not self.policy.preemptive or not self.waiting or not self.running:
             return
+        # Seats kept for the candidates before this one: they are admitted
+        # after the running requests, so a free seat counts once, not once
+        # per candidate (else only the first would ever preempt).
+        claimed = 0
         for cand in sorted(self.waiting, key=lambda r: self.policy.waiting_key(r, now)):
             first_chunk = min(cand.num_tokens, self.cfg.max_num_batched_tokens)
             while self.running:
-                seats = len(self.running) >= self.cfg.max_num_seqs
+                seats = len(self.running) + claimed >= self.cfg.max_num_seqs
                 memory = not self.blocks.can_allocate(cand, first_chunk, reserve=self.blocks.watermark_blocks)
                 if not (seats or memory):
                     break
@@ -220,8 +224,12 @@ class Scheduler:
                 if not victims:
                     break
                 self._preempt(max(victims, key=self.policy.running_key), out)
-            if len(self.running) >= self.cfg.max_num_seqs:
-                break
+            if len(self.running) + claimed >= self.cfg.max_num_seqs or not self.blocks.can_allocate(
+                cand, first_chunk, reserve=self.blocks.watermark_blocks
+            ):
+                break  # admission stops at this candidate: none after it starts
+            claimed += 1
+            self.policy.on_claimed(cand)
 
     # -- one iteration ----------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:

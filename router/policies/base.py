@@ -78,6 +78,11 @@ class Policy:
         budget for waiting requests (admitted after the running ones)."""
         return 0
 
+    def on_claimed(self, req: Request) -> None:
+        """Called for a waiting request that priority preemption keeps a seat
+        for in this iteration (it is admitted after the running requests, and
+        on_admitted follows when it starts)."""
+
     def on_admitted(self, req: Request) -> None:
         """Called for every waiting request that starts running."""
 

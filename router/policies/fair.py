@@ -81,6 +81,7 @@ class FairPolicy(Policy):
         self._seat_cache: dict[str, int] = {}
         self.steps = StepModel()
         self._protected: tuple[str, int, bool] = ("", 0, False)
+        self._claims: dict[str, int] = {}  # seats priority preemption kept this iteration
 
     # -- state ------------------------------------------------------------------
     def weight(self, tenant: str) -> float:
@@ -233,6 +234,7 @@ class FairPolicy(Policy):
 
     def begin_iteration(self) -> None:
         self._seat_cache = self._seats()
+        self._claims = {}
         self._protected = self._protected_prompt()
 
     def waiting_key(self, req: Request, now: float):
@@ -257,8 +259,17 @@ class FairPolicy(Policy):
             return self.counter(x) < self.counter(y)
         if self.counter(x) > self.counter(y):
             return False
-        seats = self._seat_cache
-        return (seats.get(y, 0) - 1) / self.weight(y) >= (seats.get(x, 0) + 1) / self.weight(x)
+
+        def seats(t: str) -> int:
+            return self._seat_cache.get(t, 0) + self._claims.get(t, 0)
+
+        return (seats(y) - 1) / self.weight(y) >= (seats(x) + 1) / self.weight(x)
+
+    def on_claimed(self, req: Request) -> None:
+        # Counted by outranks alone: the next candidate of this tenant must
+        # outrank with the claimed seat held. The waiting order (and so which
+        # request admission takes) stays that of the running seats.
+        self._claims[req.tenant] = self._claims.get(req.tenant, 0) + 1
 
     def on_admitted(self, req: Request) -> None:
         self._seat_cache[req.tenant] = self._seat_cache.get(req.tenant, 0) + 1
