@@ -61,7 +61,7 @@ protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 	  --grpc_python_out=protos protos/cbserve/v1/generation.proto protos/cbserve/v1/executor.proto
 
-# Container images (need a Docker daemon; docs/deploy.md). Behind a mirror or
+# Container images (need a Docker daemon; docs/images.md). Behind a mirror or
 # a TLS-intercepting proxy, make variables instead of edits:
 #   TORCH_INDEX_URL  the index that serves torch itself (its dependencies
 #                    come from INDEX_URL like every other package)

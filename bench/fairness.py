@@ -24,7 +24,7 @@ weighted service the router reports (cbserve_tenant_service_tokens_total,
 prompt x 1 + output x 2) for each.
 
     cbserve bench fairness [--seconds 60] [--systems alone,fcfs,priority,fair,fair-nopreempt,vllm,weights]
-                           [--json results.json] [--report docs/benchmarks.md]
+                           [--json results.json]   (report: docs/benchmarks-tenants.md)
 """
 
 from __future__ import annotations

@@ -602,7 +602,7 @@ def render_report(
 
 
 # Sections of benchmarks.md written by other commands than the suite.
-KEPT_SECTIONS = ("online", "gpu", "output-controls", "models")
+KEPT_SECTIONS = ("online", "gpu")
 
 
 def _markers(name: str) -> tuple[str, str]:

@@ -443,7 +443,7 @@ class Scheduler:
         if self.waiting or self.swapped or not self.running:
             return None
         # A structured-output sequence's next mask needs the token in flight:
-        # while one runs, steps are not planned ahead (docs/api.md).
+        # while one runs, steps are not planned ahead (docs/openai-api.md).
         if any(r.matcher is not None for r in self.running):
             return None
         if inflight.swap_in or inflight.swap_out or inflight.num_preempted:

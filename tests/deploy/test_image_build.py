@@ -4,7 +4,7 @@ build argument value (index addresses, the build's CA) in any layer or in
 its history. Skipped, with the reason, when no Docker engine answers.
 
 The build takes what `make image` takes from the environment (TORCH_INDEX_URL,
-INDEX_URL, EXTRA_INDEX_URL, IMAGE_CA_FILE, IMAGE_NETWORK; docs/deploy.md).
+INDEX_URL, EXTRA_INDEX_URL, IMAGE_CA_FILE, IMAGE_NETWORK; docs/images.md).
 It runs for 5-10 minutes on 2 cores.
 """
 
@@ -32,7 +32,7 @@ def _engine_answers() -> str | None:
     except subprocess.TimeoutExpired:
         return "`docker info` timed out"
     if r.returncode != 0:
-        return "no Docker engine answers (`docker info` failed; docs/deploy.md says how to build the images)"
+        return "no Docker engine answers (`docker info` failed; docs/images.md says how to build the images)"
     return None
 
 
