@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from common.model_cache import EXPORT_STAMP, converted_complete, default_converted_dir, gguf_converted_dir
+from executor.cpu.isa import cpu_has_native_bf16
 from executor.model_source import GGUF_FILE as GGUF_FILE_DEFAULT
 from executor.model_source import ModelSource, tiny_config_dict
 
@@ -54,15 +55,6 @@ def pick_dtype(name: str, device: torch.device = torch.device("cpu")) -> torch.d
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            flags = fh.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def build_tiny(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:

@@ -153,7 +153,7 @@ class ModelRunner:
 
             fuse_llama_blocks(model)
             prepack_linears(model)
-            from executor.cpu.gguf_weights import embed_from_blocks
+            from executor.cpu.packed_linear import embed_from_blocks
 
             embed_from_blocks(model)
         # A Llama-like model where the modules were fused: eight calls per layer instead of the

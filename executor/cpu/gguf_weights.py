@@ -519,45 +519,6 @@ class BlockEmbedding(torch.nn.Module):
         return self._rows(self.packed, flat).view(*ids.shape, self.embedding_dim)
 
 
-def embed_from_blocks(model: torch.nn.Module) -> bool:
-    """Serves a GGUF model's embedding from its blocks (BlockEmbedding) on
-    CPUs without AMX, where its linears are served from theirs: the tied LM
-    head's packed blocks where it has them (its plain weight, the table, is
-    then dropped), else the embedding's own. Returns whether it did."""
-    from executor.cpu import packed_linear
-
-    inner = getattr(model, "model", None)
-    emb = getattr(inner, "embed_tokens", None)
-    blocks = getattr(emb, "cbserve_blocks", None)
-    if blocks is None or not enabled() or packed_linear.amx_ops() is not None:
-        return False
-    head = getattr(model, "lm_head", None)
-    tied = isinstance(head, packed_linear.PackedLinear) and head.weight is emb.weight
-    avx512 = packed_linear.avx512_ops() is not None
-    if avx512 and blocks.keep_tiles:
-        return False
-    if tied and packed_kind(head.packed) is not None:
-        packed = head.packed
-    elif avx512:
-        import native._fused as fused
-
-        tiles = fused.amx_pack_weight(emb.weight.detach())
-        packed = packed_tiles(blocks, tiles, "embedding")
-        if packed is tiles:
-            return False
-    else:  # gguf_linear's CPUs: where its layers are served from blocks
-        if not (isinstance(head, packed_linear.PackedLinear) and head.kernel.startswith("gguf-")):
-            return False
-        packed = gguf_linear_weights(blocks, emb.weight.detach(), "embedding")
-        if packed is None:
-            return False
-    inner.embed_tokens = BlockEmbedding(packed, emb.num_embeddings, emb.embedding_dim, emb.weight.dtype)
-    if tied:  # the table was the head's plain weight too; plain_weight() unpacks the blocks
-        del head.weight
-        head.weight = torch.empty(emb.weight.shape, dtype=emb.weight.dtype, device="meta")
-    return True
-
-
 def small_batch_blocks(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str) -> torch.Tensor | None:
     """The packed Q4_1 blocks for avx512_linear's small batches (CPUs without
     AMX) where they expand to exactly `bf16_tiles`, else None (Q8_0 blocks:

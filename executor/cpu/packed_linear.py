@@ -320,7 +320,7 @@ def fp32_prepacked() -> bool:
     switch = os.environ.get("CBSERVE_FP32_PREPACK", "").strip()
     if switch in ("0", "1"):
         return switch == "1" and torch.backends.mkldnn.is_available()
-    from executor.model_loader import cpu_has_native_bf16
+    from executor.cpu.isa import cpu_has_native_bf16
 
     return torch.backends.mkldnn.is_available() and not cpu_has_native_bf16()
 
@@ -354,3 +354,42 @@ def prepack_linears(model: torch.nn.Module, batch_hint: int = 64) -> int:
         setattr(parent, child, packed)
     _LOGGER.info("prepacked linear weights", layers=len(targets), kernels=sorted(kernels))
     return len(targets)
+
+
+def embed_from_blocks(model: torch.nn.Module) -> bool:
+    """Serves a GGUF model's embedding from its blocks (BlockEmbedding) on
+    CPUs without AMX, where its linears are served from theirs: the tied LM
+    head's packed blocks where it has them (its plain weight, the table, is
+    then dropped), else the embedding's own. Returns whether it did."""
+    from executor.cpu.gguf_weights import BlockEmbedding, enabled, gguf_linear_weights, packed_kind, packed_tiles
+
+    inner = getattr(model, "model", None)
+    emb = getattr(inner, "embed_tokens", None)
+    blocks = getattr(emb, "cbserve_blocks", None)
+    if blocks is None or not enabled() or amx_ops() is not None:
+        return False
+    head = getattr(model, "lm_head", None)
+    tied = isinstance(head, PackedLinear) and head.weight is emb.weight
+    avx512 = avx512_ops() is not None
+    if avx512 and blocks.keep_tiles:
+        return False
+    if tied and packed_kind(head.packed) is not None:
+        packed = head.packed
+    elif avx512:
+        import native._fused as fused
+
+        tiles = fused.amx_pack_weight(emb.weight.detach())
+        packed = packed_tiles(blocks, tiles, "embedding")
+        if packed is tiles:
+            return False
+    else:  # gguf_linear's CPUs: where its layers are served from blocks
+        if not (isinstance(head, PackedLinear) and head.kernel.startswith("gguf-")):
+            return False
+        packed = gguf_linear_weights(blocks, emb.weight.detach(), "embedding")
+        if packed is None:
+            return False
+    inner.embed_tokens = BlockEmbedding(packed, emb.num_embeddings, emb.embedding_dim, emb.weight.dtype)
+    if tied:  # the table was the head's plain weight too; plain_weight() unpacks the blocks
+        del head.weight
+        head.weight = torch.empty(emb.weight.shape, dtype=emb.weight.dtype, device="meta")
+    return True
