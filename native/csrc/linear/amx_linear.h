@@ -1,7 +1,7 @@
 // bf16 linear layer on AMX tiles (amx_linear.cpp), bound in fused_ops.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
 
 #include <string>
 

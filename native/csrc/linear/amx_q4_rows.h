@@ -2,7 +2,7 @@
 // bound in fused_ops.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
 
 namespace cbserve_fused {
 

@@ -3,7 +3,7 @@
 // and bf16 layers stored in bf16 and computed in fp32; bound in fused_ops.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
 
 namespace cbserve_fused {
 

@@ -2,7 +2,7 @@
 // (avx512_linear.cpp), for CPUs without AMX; bound in fused_ops.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
 
 #include <string>
 

@@ -5,7 +5,7 @@
 // those instructions.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
 
 namespace cbserve_fused {
 

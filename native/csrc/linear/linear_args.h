@@ -3,7 +3,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
-#include <torch/extension.h>
+#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
 
 #include <cstdint>
 

@@ -3,7 +3,7 @@
 // kernel on every CPU.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
 
 namespace cbserve_fused {
 
