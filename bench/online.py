@@ -464,10 +464,9 @@ def render(results: dict, out_md: Path, command: str) -> str:
         first = next((r for runs in ap_runs.values() for r in runs if r.get("command")), None)
         if first:
             lines += ["", f"AIPerf command (per rate and server): `aiperf {first['command']}`"]
-    rows = targets(results)
-    if rows:
-        lines += ["", "## Targets", "", "| target | measured | |", "|---|---|---|"]
-        lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    table = ["| target | measured | |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in targets(results)]
+    if len(table) > 2:
+        lines += ["", "## Targets", "", *table]
     plot = _plot(results, out_md.parent)
     if plot:
         lines += ["", f"![TTFT and ITL p99 against the arrival rate]({plot})"]
@@ -482,10 +481,8 @@ def render(results: dict, out_md: Path, command: str) -> str:
             "",
             f"The targets of the run in [{out_md.name}]({out_md.name}) (its machine, tables and commands):",
             "",
-            "| target | measured | |",
-            "|---|---|---|",
+            *table,
         ]
-        body += [f"| {a} | {b} | {c} |" for a, b, c in rows]
         splice_online_section(out_md.with_name("benchmarks.md"), "\n".join(body))
     return text
 

@@ -15,12 +15,12 @@ import torch
 from cbserve.v1 import generation_pb2 as gpb
 from executor import model_loader, model_source
 from executor.kv_cache import host_available_bytes
-from tests.conftest import start_server
+from tests.conftest import BLOCK_BYTES_TINY_FP32, start_server
 from tests.integration.helpers import gen_request, stub, wait_idle
 from tests.integration.test_architectures import NEW, _checkpoint, _hf, _hf_logprobs, _prompts, _reference
 from tests.integration.test_faults import _serve_refused
 from tests.integration.test_parity import NEW_TOKENS, hf_greedy, served_greedy, tiny_prompts
-from tests.integration.test_scheduling import BLOCK_BYTES_TINY_FP32, pressure_requests, reconfigure, run_concurrent
+from tests.integration.test_scheduling import pressure_requests, reconfigure, run_concurrent
 
 pytestmark = [
     pytest.mark.cuda,
