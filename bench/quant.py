@@ -1,5 +1,5 @@
 """Quantized GGUF files served from their blocks, beside their bf16
-expansion and llama.cpp's server on the same files (docs/quantization.md):
+expansion and llama.cpp's server on the same files (docs/benchmarks-quant.md):
 
     cbserve bench quant [--file F.gguf ...] [--make llama-1b:Q4_0 ...]
         [--llama-server PATH] [--one 8] [--many 64] [--max-tokens 128]

@@ -508,6 +508,10 @@ def render_report(
         "",
         "Online serving through the OpenAI API against `vllm serve` (`python -m bench online`): "
         "[benchmarks-online.md](benchmarks-online.md).",
+        "Tenants and SLO classes (`cbserve bench fairness`, `cbserve bench goodput`): "
+        "[benchmarks-tenants.md](benchmarks-tenants.md). Quantized GGUF files (`cbserve bench quant`): "
+        "[benchmarks-quant.md](benchmarks-quant.md). Runs on earlier machines and commits: "
+        "[benchmark-notes.md](benchmark-notes.md), the log.",
         "",
     ]
     mach = results.get("machine", {})

@@ -172,7 +172,7 @@ def _fused_qkv(attn: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     if hasattr(attn, "qkv_proj"):
         return attn.qkv_proj.forward
     projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-    from_blocks = all(isinstance(p, PackedLinear) and p.kernel.startswith(("avx512-", "gguf-")) for p in projs)
+    from_blocks = all(isinstance(p, PackedLinear) and p.kernel.startswith(("amx-", "avx512-", "gguf-")) for p in projs)
     if from_blocks and blocks_of(*projs) is None:
         return SplitQkv(projs).forward
     has_bias = [p.bias is not None for p in projs]

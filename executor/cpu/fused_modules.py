@@ -52,7 +52,8 @@ class FusedMLP(torch.nn.Module):
     the same packing.
     Over GGUF Q4_1 blocks, up to `Q4_ROWS_MAX_ROWS` rows, a SiLU MLP's pass
     is `amx_q4_rows_linear` with its SiLU-and-mul epilogue (over a second
-    copy of the blocks in its feature-major layout).
+    copy of the blocks in its feature-major layout), unless the blocks are
+    held alone (gguf_weights.amx_alone).
     Elsewhere: a PackedLinear over [gate | up], then `silu_and_mul`.
     """
 
@@ -78,7 +79,7 @@ class FusedMLP(torch.nn.Module):
                 fused.cbserve_blocks = blocks
             self.gate_up = PackedLinear(fused, batch_hint, keep_plain=False)
         else:
-            from executor.cpu.gguf_weights import avx512_weights, blocks_of, for_amx, packed_rows, packed_tiles
+            from executor.cpu.gguf_weights import amx_alone, avx512_weights, blocks_of, packed_rows, packed_tiles
 
             pack, self._gate_up_silu = ops
             # amx_pack_gate_up's row order: gate block j, then up block j (16
@@ -90,9 +91,9 @@ class FusedMLP(torch.nn.Module):
             if packed_linear.amx_ops() is None:  # avx512_linear_silu_mul: gguf_weights.avx512_weights
                 self.packed_gate_up, self.packed_blocks = avx512_weights(blocks, pack(w), "gate_up")
             else:
-                blocks = for_amx(blocks)
                 self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
-                if activation == "silu":  # amx_q4_rows_linear's epilogue is SiLU's
+                alone = self.packed_gate_up.dtype == torch.uint8 and amx_alone(blocks)
+                if activation == "silu" and not alone:  # amx_q4_rows_linear's epilogue is SiLU's
                     self.packed_rows = packed_rows(blocks, w[order], "gate_up")
         del w
         self.down = down if isinstance(down, PackedLinear) else PackedLinear(down, batch_hint, keep_plain=False)

@@ -40,10 +40,12 @@ Q6K_SCALES = 16  # scales per Q6_K super-block (one per 16 weights)
 K_QUANTS = ("q4_k", "q6_k")
 TILE_N = 16  # output features per AMX weight tile
 ENV_SWITCH = "CBSERVE_GGUF_BLOCKS"
-# On CPUs without AMX, whether Q4_0 / Q4_1 / Q8_0 layers keep bf16 tiles
-# beside their blocks (faster above a few rows; avx512_weights) and the
+# Whether Q4_0 / Q4_1 / Q8_0 layers keep bf16 copies beside their blocks
+# (CPUs without AMX: tiles, faster above a few rows, avx512_weights; AMX
+# CPUs: the plain weight and Q4_1's feature-major copy, amx_alone) and the
 # embedding its bf16 table: "1" yes, "0" no, "auto" (unset) where the
-# model's bf16 tiles would take less than AUTO_TILES_MAX_BYTES.
+# model's bf16 tiles would take less than AUTO_TILES_MAX_BYTES, on CPUs
+# without AMX (keep_tiles).
 TILES_SWITCH = "CBSERVE_GGUF_TILES"
 # A model this small is bound by its step's overheads, not its weights'
 # memory (SmolLM2-135M: 270 MB of bf16 tiles, 94 MB of blocks); above it
@@ -76,7 +78,7 @@ class BlockWeight:
     # q4_k: [N, K/32] uint8, each block's 6-bit scale; q6_k: [N, K/16] int8, each 16 weights' scale
     sc: torch.Tensor | None = None
     mn: torch.Tensor | None = None  # q4_k: [N, K/32] uint8, each block's 6-bit min
-    keep_tiles: bool = False  # CPUs without AMX: bf16 tiles beside these blocks (keep_tiles())
+    keep_tiles: bool = False  # bf16 copies beside these blocks (keep_tiles(), TILES_SWITCH)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -453,20 +455,14 @@ def packed_tiles(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str
     return bf16_tiles
 
 
-def for_amx(blocks: BlockWeight | None) -> BlockWeight | None:
-    """The blocks amx_linear reads (Q4_1, Q8_0), else None (K-quant layers
-    keep bf16 tiles on AMX CPUs: its passes step through tiles of one k-block
-    each, and a K-quant tile holds a super-block)."""
-    if blocks is None or blocks.kind not in K_QUANTS:
-        return blocks
-    global _warned_amx
-    if not _warned_amx:
-        _warned_amx = True
-        _LOGGER.warning("amx_linear does not read K-quant blocks: those layers are expanded to bf16", kind=blocks.kind)
-    return None
-
-
-_warned_amx = False
+def amx_alone(blocks: BlockWeight | None) -> bool:
+    """Whether an AMX CPU's layer over these blocks holds them alone, with
+    no plain bf16 weight beside them (for F.linear over long prefill chunks)
+    nor the feature-major Q4_1 copy (amx_q4_rows_linear for few rows):
+    amx_linear then runs at every row count. K-quant layers always; Q4_0 /
+    Q4_1 / Q8_0 ones where the model is too large to keep tiles
+    (`keep_tiles`), so that the weights take about the file's size."""
+    return blocks is not None and (blocks.kind in K_QUANTS or not blocks.keep_tiles)
 
 
 def avx512_weights(
@@ -489,11 +485,17 @@ def avx512_weights(
 
 def keep_tiles(bf16_bytes: int) -> bool:
     """Whether a model whose blocks expand to `bf16_bytes` of bf16 tiles
-    keeps them beside the blocks (TILES_SWITCH)."""
+    keeps bf16 copies beside the blocks (TILES_SWITCH). Unset: on AMX CPUs
+    never (amx_linear over the blocks decodes as fast as over bf16 tiles,
+    docs/quantization.md), elsewhere below AUTO_TILES_MAX_BYTES."""
     switch = os.environ.get(TILES_SWITCH, "auto").strip().lower()
     if switch in ("0", "1"):
         return switch == "1"
-    return bf16_bytes < AUTO_TILES_MAX_BYTES
+    try:
+        import native._fused as fused
+    except ImportError:
+        return bf16_bytes < AUTO_TILES_MAX_BYTES
+    return bf16_bytes < AUTO_TILES_MAX_BYTES and not fused.amx_linear_supported()
 
 
 class BlockEmbedding(torch.nn.Module):

@@ -132,19 +132,24 @@ class PackedLinear(torch.nn.Module):
         self._avx2_f32 = None
         self._gguf = None  # gguf_linear over GGUF blocks (CPUs without AVX512-BF16)
         self._amx_argmax = None
+        self._amx_alone = False  # amx_linear over GGUF blocks alone, at every row count (gguf_weights.amx_alone)
         self.packed_rows = None
         self.packed_blocks = None  # avx512_linear's Q4_1 blocks for <= AVX512_BLOCKS_MAX_ROWS rows
         if amx is not None:
-            from executor.cpu.gguf_weights import blocks_of, for_amx, packed_rows, packed_tiles
+            from executor.cpu.gguf_weights import amx_alone, blocks_of, packed_rows, packed_tiles
 
             pack, self._amx = amx
             # A GGUF layer's 4/8-bit blocks where they expand to exactly these
             # weights; kept for the lean forward's fused q|k|v (fast_forward.py).
             self.cbserve_blocks = blocks_of(linear)
-            self.packed = packed_tiles(for_amx(self.cbserve_blocks), pack(w), "linear")
-            if self.bias is None:
+            self.packed = packed_tiles(self.cbserve_blocks, pack(w), "linear")
+            self._amx_alone = self.packed.dtype == torch.uint8 and amx_alone(self.cbserve_blocks)
+            if self.bias is None and not self._amx_alone:
                 self.packed_rows = packed_rows(self.cbserve_blocks, w, "linear")
             self._amx_argmax = _fused().amx_linear_argmax  # amx_ops() checked the CPU
+            if self._amx_alone and not keep_plain:  # amx_linear takes every row count: the blocks are the weight
+                del self.weight
+                self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
         elif avx512 is not None:
             from executor.cpu.gguf_weights import avx512_weights, blocks_of
 
@@ -206,7 +211,7 @@ class PackedLinear(torch.nn.Module):
         if self._amx is not None:
             if rows <= Q4_ROWS_MAX_ROWS and self.packed_rows is not None:
                 return "amx_q4_rows_linear"
-            return "amx_linear" if rows <= AMX_MAX_ROWS else "F.linear"
+            return "amx_linear" if rows <= AMX_MAX_ROWS or self._amx_alone else "F.linear"
         if self._avx512 is not None:
             from executor.cpu.gguf_weights import packed_kind
 
@@ -224,7 +229,8 @@ class PackedLinear(torch.nn.Module):
         (exact: packing only moves values)."""
         if self.weight.device.type != "meta":
             return self.weight.detach()
-        if self._avx512 is not None:  # bf16 tiles [N/16, K/32, 16 k-pairs, 16 n, 2], or blocks expanding to them
+        if self._avx512 is not None or self._amx is not None:
+            # bf16 tiles [N/16, K/32, 16 k-pairs, 16 n, 2], or blocks expanding to them
             tiles = self.packed if self.packed.dtype == torch.bfloat16 else _fused().amx_dequant(self.packed)
             nb, kb = tiles.shape[:2]
             rows = tiles.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
@@ -244,7 +250,7 @@ class PackedLinear(torch.nn.Module):
         if self._amx is not None:
             if rows <= Q4_ROWS_MAX_ROWS and self.packed_rows is not None:
                 out = _fused().amx_q4_rows_linear(x2.contiguous(), self.packed_rows, self.out_features)
-            elif rows <= AMX_MAX_ROWS:
+            elif rows <= AMX_MAX_ROWS or self._amx_alone:
                 out = self._amx(x2.contiguous(), self.packed, self.out_features, self.bias)
             else:
                 out = torch.nn.functional.linear(x2, self.weight, self.bias)
@@ -357,25 +363,26 @@ def prepack_linears(model: torch.nn.Module, batch_hint: int = 64) -> int:
 
 
 def embed_from_blocks(model: torch.nn.Module) -> bool:
-    """Serves a GGUF model's embedding from its blocks (BlockEmbedding) on
-    CPUs without AMX, where its linears are served from theirs: the tied LM
-    head's packed blocks where it has them (its plain weight, the table, is
-    then dropped), else the embedding's own. Returns whether it did."""
+    """Serves a GGUF model's embedding from its blocks (BlockEmbedding)
+    where its linears are served from theirs alone (a model that keeps no
+    bf16 tiles, gguf_weights.keep_tiles): the tied LM head's packed blocks
+    where it has them (its plain weight, the table, is then dropped), else
+    the embedding's own. Returns whether it did."""
     from executor.cpu.gguf_weights import BlockEmbedding, enabled, gguf_linear_weights, packed_kind, packed_tiles
 
     inner = getattr(model, "model", None)
     emb = getattr(inner, "embed_tokens", None)
     blocks = getattr(emb, "cbserve_blocks", None)
-    if blocks is None or not enabled() or amx_ops() is not None:
+    if blocks is None or not enabled():
         return False
     head = getattr(model, "lm_head", None)
     tied = isinstance(head, PackedLinear) and head.weight is emb.weight
-    avx512 = avx512_ops() is not None
-    if avx512 and blocks.keep_tiles:
+    tiles_cpu = avx512_ops() is not None or amx_ops() is not None  # kernels over amx_pack_weight's layout
+    if tiles_cpu and blocks.keep_tiles:
         return False
     if tied and packed_kind(head.packed) is not None:
         packed = head.packed
-    elif avx512:
+    elif tiles_cpu:
         import native._fused as fused
 
         tiles = fused.amx_pack_weight(emb.weight.detach())

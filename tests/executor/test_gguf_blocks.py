@@ -1,8 +1,9 @@
 """SmolLM2 served from its GGUF blocks (executor/cpu/gguf_weights.py): every
 linear layer finds its blocks, they expand to exactly the weights
 transformers loaded, and a runner over them computes the same hidden states,
-bit for bit, as the runner over bf16 tiles: amx_linear on AMX-BF16 CPUs,
-avx512_linear on other AVX512-BF16 CPUs."""
+bit for bit, as the runner over bf16 tiles: amx_linear on AMX-BF16 CPUs
+(over the blocks alone), avx512_linear on other AVX512-BF16 CPUs (bf16 tiles
+beside the Q4_1 blocks, for a model this small)."""
 
 from __future__ import annotations
 
@@ -69,11 +70,14 @@ def test_runner_over_blocks_is_bit_identical_to_bf16_tiles(source, monkeypatch):
         with_blocks.model.model.layers[0].mlp.kernel,
     }
     if AMX:
+        # On AMX CPUs the blocks alone, at any size (gguf_weights.keep_tiles):
+        # amx_linear over them for every row count, the embedding looked up in
+        # the tied head's Q8_0 blocks, the weights about the file's size.
         assert kinds == {"amx-q8_0", "amx-q4_1", "amx_linear_silu_mul-q4_1"}
-        # The decode steps below (3 rows) run the Q4_1 layers on amx_q4_rows_linear,
-        # the prefills (40-54 rows) on amx_linear.
-        assert with_blocks.lean.layers[0].qkv.__self__.kernel_for(3) == "amx_q4_rows_linear"
-        assert with_blocks.model.model.layers[0].mlp.packed_rows is not None
+        assert with_blocks.lean.layers[0].qkv.__self__.kernel_for(3) == "amx_linear"
+        assert with_blocks.model.model.layers[0].mlp.packed_rows is None
+        assert isinstance(with_blocks.model.model.embed_tokens, gguf_weights.BlockEmbedding)
+        assert with_blocks.weight_bytes <= 1.15 * os.path.getsize(os.path.join(source.path, source.gguf_file))
     else:
         # A model this small keeps its Q4_1 blocks beside the bf16 tiles, for
         # decode-sized batches (gguf_weights.AUTO_TILES_MAX_BYTES); the Q8_0 LM

@@ -1,10 +1,11 @@
 """A GGUF file quantised in the test with the `gguf` package (Q4_0, Q4_1,
 Q8_0 projections; Q4_K, Q6_K and a Q4_K_M mix of the two by the test
 writer's own quantisers, as gguf-py cannot write them) is served from its
-blocks where the kernels read them: on AMX CPUs Q4_0 / Q4_1 / Q8_0, on other
-AVX512-BF16 CPUs every type at every batch size, from the blocks alone (with
-CBSERVE_GGUF_TILES=1, Q4_0 / Q4_1 for small batches beside the bf16 tiles and
-Q8_0 the tiles alone, docs/native.md). The runner's greedy tokens
+blocks on AVX512-BF16 CPUs, AMX or not: every type at every batch size, from
+the blocks alone (with CBSERVE_GGUF_TILES=1, Q4_0 / Q4_1 / Q8_0 keep bf16
+copies beside: without AMX Q4_0 / Q4_1 blocks for small batches beside the
+bf16 tiles and Q8_0 the tiles alone; on AMX the plain weight for long chunks
+and Q4_1's feature-major copy, docs/quantization.md). The runner's greedy tokens
 and hidden states equal, bit for bit, those of the same file served from the
 bf16 weights transformers dequantises it to (`CBSERVE_GGUF_BLOCKS=0`), and
 those dequantised weights are gguf-py's own."""
@@ -71,10 +72,15 @@ def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, mo
         assert mlp.kernel == f"avx512_linear_silu_mul-{kind}" and mlp.down.kernel == f"avx512-{kind}"
     elif not amx:  # the tiles, the blocks for small batches
         assert qkv.kernel_for(2) == "avx512_linear-q4_1" if quant != "Q8_0" else qkv.kernel == "avx512"
-    elif k_quant:  # amx_linear does not read the K-quants
-        assert qkv.kernel == "amx"
-    else:
-        assert qkv.kernel == ("amx-q8_0" if quant == "Q8_0" else "amx-q4_1")
+    elif quant == "Q4_K_M":
+        assert qkv.kernel == "amx-q4_k | amx-q4_k | amx-q6_k"
+        assert mlp.kernel == "amx_linear_silu_mul-q4_k" and mlp.down.kernel == "amx-q6_k"
+    else:  # AMX: amx_linear over the blocks; held alone, at every row count, unless beside
+        kind = {"Q4_0": "q4_1"}.get(quant, quant.lower())
+        assert qkv.kernel == f"amx-{kind}" and mlp.kernel == f"amx_linear_silu_mul-{kind}"
+        assert qkv.kernel_for(400) == ("F.linear" if beside else "amx_linear")
+        assert (qkv.kernel_for(2) == "amx_q4_rows_linear") == (beside and kind == "q4_1")
+        assert (qkv.weight.device.type == "meta") == (not beside)
     modules = {id(m): m for m in [*runner.model.modules(), *runner._lean_modules()]}.values()
     blocks_bytes = sum(m.packed_blocks.nbytes for m in modules if getattr(m, "packed_blocks", None) is not None)
     got = greedy_with_hidden(runner, prompts, 6)
@@ -88,8 +94,6 @@ def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, mo
     # without AMX the Q4 blocks beside the tiles, with AMX the blocks instead of them.
     if not amx and beside:
         assert weight_bytes - plain.weight_bytes == blocks_bytes and (blocks_bytes > 0) == (quant != "Q8_0")
-    elif k_quant and amx:
-        assert weight_bytes == plain.weight_bytes
     else:
         assert weight_bytes < plain.weight_bytes
     assert got[0] == want[0]
@@ -106,9 +110,9 @@ def test_quantised_projections_are_served_from_their_blocks_exactly(tmp_path, mo
 def test_a_quantised_file_is_served_in_about_its_own_size(tmp_path, monkeypatch, quant, embeddings, tied):
     """Every weight quantised, the embedding too (SmolLM2's mix: Q4_1
     projections, a tied Q8_0 embedding; a Q4_K_M-like mix with an untied Q6_K
-    head): on CPUs without AMX the embedding is looked up in its blocks (the
-    tied head's own), the weights take at most 1.15x the file's tensors, and
-    the tokens and hidden states equal the bf16 expansion's bit for bit."""
+    head): the embedding is looked up in its blocks (the tied head's own),
+    the weights take at most 1.15x the file's tensors, and the tokens and
+    hidden states equal the bf16 expansion's bit for bit."""
     import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -124,10 +128,9 @@ def test_a_quantised_file_is_served_in_about_its_own_size(tmp_path, monkeypatch,
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
     source = model_source.resolve(str(path))
     runner = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
-    if runner.model.lm_head.kernel.startswith("amx"):
-        pytest.skip("AMX CPUs keep the bf16 embedding")
     assert isinstance(runner.model.model.embed_tokens, BlockEmbedding)
-    assert runner.model.lm_head.kernel == f"avx512-{embeddings.lower()}"
+    isa = "amx" if runner.model.lm_head.kernel.startswith("amx") else "avx512"
+    assert runner.model.lm_head.kernel == f"{isa}-{embeddings.lower()}"
     if tied:  # one copy of the table: the head's blocks
         assert runner.model.model.embed_tokens.packed is runner.model.lm_head.packed
     assert runner.weight_bytes <= 1.15 * file_bytes, (runner.weight_bytes, file_bytes)
@@ -145,12 +148,19 @@ def test_a_quantised_file_is_served_in_about_its_own_size(tmp_path, monkeypatch,
 
 
 def test_tiles_beside_the_blocks_follow_the_models_size(monkeypatch):
-    """CBSERVE_GGUF_TILES unset: bf16 tiles beside the blocks for a model
-    whose tiles take less than AUTO_TILES_MAX_BYTES, blocks alone above; 0 / 1
-    decide for any size."""
+    """CBSERVE_GGUF_TILES unset: bf16 copies beside the blocks for a model
+    whose tiles take less than AUTO_TILES_MAX_BYTES, blocks alone above, and
+    on AMX CPUs blocks alone at any size; 0 / 1 decide for any size."""
+    import native._fused as fused
+
     small_model, big_model = gguf_weights.AUTO_TILES_MAX_BYTES - 1, gguf_weights.AUTO_TILES_MAX_BYTES
     monkeypatch.delenv(gguf_weights.TILES_SWITCH, raising=False)
-    assert gguf_weights.keep_tiles(small_model) and not gguf_weights.keep_tiles(big_model)
+    assert gguf_weights.keep_tiles(small_model) == (not fused.amx_linear_supported())
+    assert not gguf_weights.keep_tiles(big_model)
+    monkeypatch.setattr(fused, "amx_linear_supported", lambda: False)
+    assert gguf_weights.keep_tiles(small_model)
+    monkeypatch.setattr(fused, "amx_linear_supported", lambda: True)
+    assert not gguf_weights.keep_tiles(small_model)
     for value, keep in (("0", False), ("1", True)):
         monkeypatch.setenv(gguf_weights.TILES_SWITCH, value)
         assert gguf_weights.keep_tiles(small_model) == gguf_weights.keep_tiles(big_model) == keep

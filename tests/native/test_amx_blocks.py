@@ -1,4 +1,4 @@
-"""The AMX kernels over GGUF Q4_1 / Q8_0 blocks (executor/cpu/gguf_weights.py
+"""The AMX kernels over GGUF Q4_1 / Q8_0 / Q4_K / Q6_K blocks (executor/cpu/gguf_weights.py
 packs them): the expanded tiles and every output must equal, bit for bit,
 those of the bf16 weights the blocks dequantise to. The expansion itself is
 AVX512-BF16 code (gguf_tiles.h), checked on any such CPU; the AVX512-BF16
@@ -100,24 +100,28 @@ def test_k_quant_blocks_read_from_a_file_dequantise_as_gguf_py(kind):
 
 # Rows: one pass (the tiles expanded just before use: 1..32) and several
 # passes over a run of expanded tiles (33+), with and without bias.
+# A K-quant tile holds a 256-wide super-block (8 of the 32-wide k-blocks the
+# passes step through): K = 768, three super-blocks.
 @amx
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_k", "q6_k"])
 # n: column blocks in pairs (64), and an odd last block (65), which the
 # pair-major packing stores alone.
 @pytest.mark.parametrize("n", [1024, 1040])
 @pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 64, 100])
 def test_linear_and_argmax_equal_the_bf16_kernel(kind, m, n):
-    _, packed, tiles, x, bias = linear_case(kind, m, n, seed=m)
+    k = 768 if kind in ("q4_k", "q6_k") else 576
+    _, packed, tiles, x, bias = linear_case(kind, m, n, seed=m, k=k)
     for b in (None, bias):
         assert torch.equal(_bits(fused.amx_linear(x, packed, n, b)), _bits(fused.amx_linear(x, tiles, n, b)))
         assert torch.equal(fused.amx_linear_argmax(x, packed, n, b), fused.amx_linear_argmax(x, tiles, n, b))
 
 
 @amx
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q6_k"])
 @pytest.mark.parametrize("m", [1, 20, 64])
-def test_silu_mul_over_gate_up_blocks_equals_the_bf16_kernel(m):
-    inter, k = 1536, 576
-    gate, up = _blocks("q4_1", inter, k, seed=1), _blocks("q4_1", inter, k, seed=2)
+def test_silu_mul_over_gate_up_blocks_equals_the_bf16_kernel(kind, m):
+    inter, k = 1536, 768 if kind in ("q4_k", "q6_k") else 576
+    gate, up = _blocks(kind, inter, k, seed=1), _blocks(kind, inter, k, seed=2)
     w = torch.cat([gate.dequantize(), up.dequantize()]).bfloat16()
     # amx_pack_gate_up's row order: gate block j, then up block j.
     order = torch.arange(2 * inter).view(2, -1, 16).transpose(0, 1).reshape(-1)

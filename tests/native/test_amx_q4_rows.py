@@ -87,11 +87,14 @@ def test_pack_rows_applies_to_q4_1_in_pairs_of_column_blocks_only():
     assert _blocks("q4_1", 64, 64, seed=2).pack_rows() is not None
 
 
-def _linear_with_blocks(bw: BlockWeight, bias: bool = False) -> torch.nn.Linear:
+def _linear_with_blocks(bw: BlockWeight, bias: bool = False, keep_tiles: bool = True) -> torch.nn.Linear:
+    """A Linear over the blocks' weights; `keep_tiles` as for a small model
+    (bf16 copies beside the blocks, gguf_weights.keep_tiles)."""
     n, k = bw.shape
     lin = torch.nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(bw.dequantize())
+    bw.keep_tiles = keep_tiles
     lin.cbserve_blocks = bw
     return lin
 
@@ -117,6 +120,14 @@ def test_packed_linear_runs_it_up_to_its_row_limit_with_the_same_outputs():
     with pytest.MonkeyPatch.context() as mp:  # the operator's switch
         mp.setenv(gguf_weights.ROWS_SWITCH, "0")
         assert PackedLinear(_linear_with_blocks(bw)).packed_rows is None
+    # Blocks held alone (a large model): no second copy, amx_linear at every row count.
+    alone = PackedLinear(_linear_with_blocks(bw, keep_tiles=False), keep_plain=False)
+    assert alone.packed_rows is None and alone.weight.device.type == "meta"
+    assert alone.kernel_for(1) == alone.kernel_for(1000) == "amx_linear"
+    x = torch.randn(400, 576, generator=g).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(_bits(alone(x)), _bits(fused.amx_linear(x, packed.packed, 960, None)))
+        torch.testing.assert_close(alone.plain_weight(), lin.weight.detach(), rtol=0, atol=0)
 
 
 def test_fused_mlp_runs_it_for_small_batches_with_the_same_outputs():

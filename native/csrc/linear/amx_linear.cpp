@@ -17,10 +17,12 @@
 // tile load stays in bounds.
 //
 // The weights may also stay in the 4- or 8-bit blocks of a GGUF file
-// (Q4_1: w = d * q + m, Q8_0: w = d * q, 32 weights of one row per block),
-// packed by executor/cpu/gguf_weights.py into tiles of 320 / 544 bytes against
-// 1 KB. They are expanded to bf16 tiles on the way: in a single pass (up to
-// 32 rows) each k-block's two tiles one iteration ahead of their multiply,
+// (Q4_1: w = d * q + m, Q8_0: w = d * q, 32 weights of one row per block;
+// Q4_K / Q6_K: super-blocks of 256 with a scale per 32 or 16), packed by
+// executor/cpu/gguf_weights.py into tiles of 320 / 544 bytes against 1 KB
+// (a K-quant tile: one super-block, 8 k-blocks, gguf_tiles.h). They are
+// expanded to bf16 tiles on the way: in a single pass (up to 32 rows) each
+// k-block's two tiles one iteration ahead of their multiply,
 // into an L1 buffer, with the blocks software-prefetched (the expansion, not
 // the memory, is then the limit); with more rows a claimed run at a time into
 // a per-thread buffer that the passes read from L2. The expansion computes
@@ -206,17 +208,25 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
   const int64_t wstep = pair_major && two ? 2 * kTileElems : kTileElems;
   // With `q` (a single pass over block-quantised weights): each k-block's two
   // tiles are expanded into `qbuf` (L1, alternating halves) just before use.
+  // A K-quant tile holds a super-block of 8 k-blocks (`shift` 3): k-block kb
+  // is sub-block kb % 8 of packed tile kb >> shift.
   const int64_t tb = q != nullptr ? tile_bytes(fmt) : 0;
-  const uint8_t* q0 = q != nullptr ? q + nb * kblocks * tb : nullptr;
+  const int shift = q != nullptr && gguf_tiles::k_quant(fmt) ? 3 : 0;
+  const int64_t sub_mask = (int64_t(1) << shift) - 1;
+  const uint8_t* q0 = q != nullptr ? q + nb * (kblocks >> shift) * tb : nullptr;
   const uint8_t* q1 = q0 + tb;
-  const int64_t qstep = two ? 2 * tb : tb;  // bytes from one k-block of the pair to the next
+  const int64_t qstep = two ? 2 * tb : tb;  // bytes from one packed tile of the pair to the next
+  // Prefetched per k-block: Q4_1 / Q8_0 the pair's tiles three k-blocks
+  // ahead; K-quants an eighth of the next super-block's pair.
+  const int64_t pf_bytes = qstep >> shift;
+  const int64_t pf_ahead = shift != 0 ? 1 : 2;
   const int64_t xstride = Kpad * 2;
   const bool two_m = m0 + kTileM < Mpad;
   const uint16_t* x0 = xp + m0 * Kpad;
   const uint16_t* x1 = x0 + kTileM * Kpad;
   if (q0 != nullptr) {
-    dequant_tile(fmt, q0, qbuf);
-    if (two) dequant_tile(fmt, q1, qbuf + kTileElems);
+    dequant_tile(fmt, q0, qbuf, 0);
+    if (two) dequant_tile(fmt, q1, qbuf + kTileElems, 0);
   }
   _tile_zero(0);
   _tile_zero(1);
@@ -228,13 +238,15 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
       // iteration ago): the tile loads never wait for stores still in flight.
       const int64_t nk = kb + 1;
       if (nk < kblocks) {
-        // Three k-blocks ahead, past the pair's end into the next one's
-        // (a prefetch never faults; integer addresses, no out-of-range pointers).
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(q0) + (nk + 2) * qstep;
-        for (int64_t l = 0; l < qstep; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+        // Ahead of use, past the pair's end into the next one's (a prefetch
+        // never faults; integer addresses, no out-of-range pointers).
+        const uintptr_t ahead =
+            reinterpret_cast<uintptr_t>(q0) + ((nk >> shift) + pf_ahead) * qstep + (nk & sub_mask) * pf_bytes;
+        for (int64_t l = 0; l < pf_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
         uint16_t* nbuf = qbuf + (nk & 1) * 2 * kTileElems;
-        dequant_tile(fmt, q0 + nk * qstep, nbuf);
-        if (two) dequant_tile(fmt, q1 + nk * qstep, nbuf + kTileElems);
+        const int64_t at = (nk >> shift) * qstep;
+        dequant_tile(fmt, q0 + at, nbuf, nk);
+        if (two) dequant_tile(fmt, q1 + at, nbuf + kTileElems, nk);
       }
     }
     // This k-block's two weight tiles.
@@ -263,13 +275,28 @@ CB_AMX void pair_pass(const uint16_t* xp, const uint16_t* wp, const uint16_t* bi
   pending = PassOut{a, m0, nb, two, two_m};
 }
 
-// `count` consecutive tiles of block-quantised weights -> bf16 tiles.
-CB_AMX void dequant_tiles(Fmt fmt, const uint8_t* src, uint16_t* dst, int64_t count) {
-  const int64_t tb = tile_bytes(fmt);
-  for (int64_t t = 0; t < count; ++t) {
-    const uintptr_t ahead = reinterpret_cast<uintptr_t>(src) + (t + 4) * tb;  // may pass the end: a hint only
-    for (int64_t l = 0; l < tb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
-    dequant_tile(fmt, src + t * tb, dst + t * kTileElems);
+// Column blocks nb0 (even) .. nb1 of block-quantised weights -> their bf16
+// tiles in the same pair-major order (block_tile_index over 32-wide
+// k-blocks), read in the order they are stored. A Q4_1 / Q8_0 tile expands
+// to one bf16 tile in place; a K-quant one to its 8 k-blocks' tiles, which
+// interleave with the pair's other column block's.
+CB_AMX void dequant_tiles(Fmt fmt, const uint8_t* src, uint16_t* dst, int64_t nb0, int64_t nb1, int64_t nblocks,
+                          int64_t kblocks) {
+  const int64_t tb = tile_bytes(fmt), per = gguf_tiles::kblocks_per_tile(fmt), ktiles = kblocks / per;
+  const int64_t base = nb0 * kblocks;  // first expanded tile of the run (nb0 even: a pair's start)
+  const uint8_t* next = src + nb0 * ktiles * tb;
+  for (int64_t c0 = nb0; c0 < nb1; c0 += 2) {
+    const int64_t width = c0 + 1 < nb1 ? 2 : 1;  // the pair's column blocks (an odd last one alone)
+    for (int64_t s = 0; s < ktiles; ++s)
+      for (int64_t c = c0; c < c0 + width; ++c, next += tb) {
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(next) + 4 * tb;  // may pass the end: a hint only
+        for (int64_t l = 0; l < tb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+        for (int64_t j = 0; j < per; ++j) {
+          const int64_t kb = s * per + j;
+          dequant_tile(fmt, next, dst + (gguf_tiles::block_tile_index(c, kb, nblocks, kblocks) - base) * kTileElems,
+                       kb);
+        }
+      }
   }
 }
 
@@ -309,9 +336,8 @@ CB_AMX void run_pairs(const uint16_t* xp, const void* weights, Fmt fmt, const ui
     }
     if (fmt != Fmt::kBf16) {
       wp_nb0 = 2 * p0;
-      const int64_t tiles = (std::min(2 * p1, nblocks) - wp_nb0) * kblocks;
-      dequant_tiles(fmt, static_cast<const uint8_t*>(weights) + wp_nb0 * kblocks * tile_bytes(fmt), run_tiles.data(),
-                    tiles);
+      dequant_tiles(fmt, static_cast<const uint8_t*>(weights), run_tiles.data(), wp_nb0, std::min(2 * p1, nblocks),
+                    nblocks, kblocks);
       wp = run_tiles.data();
     }
     for (int64_t m0 = 0; m0 < Mpad; m0 += 2 * kTileM)
@@ -351,7 +377,7 @@ torch::Tensor amx_pack_weight(const torch::Tensor& weight) {
 namespace {
 
 // Checks x and packed (amx_pack_weight, amx_pack_gate_up, or the uint8
-// [N/16, K/32, tile bytes] blocks of a Q4_1 / Q8_0 weight packed in Python,
+// [N/16, K/32 or K/256, tile bytes] blocks of a GGUF weight packed in Python,
 // executor/cpu/gguf_weights.py) for an [n_features, K] weight; returns nblocks.
 int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_features, Fmt& fmt) {
   TORCH_CHECK(amx_linear_supported(), "amx_linear needs an AMX-BF16 CPU");
@@ -362,8 +388,6 @@ int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int6
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
   if (packed.scalar_type() == at::kByte) {
     fmt = gguf_tiles::check_blocks(packed, n_features, x.size(1));
-    // pair_pass and dequant_tiles step through tiles of one k-block each.
-    TORCH_CHECK(!gguf_tiles::k_quant(fmt), "amx_linear does not read Q4_K / Q6_K blocks (avx512_linear does)");
     return nblocks;
   }
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed must be bf16 tiles or uint8 quantised blocks");

@@ -16,9 +16,10 @@ bool amx_linear_supported();
 torch::Tensor amx_pack_weight(const torch::Tensor& weight);
 
 // y [M, N] = x [M, K] · weightᵀ (+ bias [N]), bf16, with `packed` from
-// amx_pack_weight, or a weight's GGUF Q4_1 / Q8_0 blocks as uint8 [N/16,
-// K/32, 320 / 544] (executor/cpu/gguf_weights.py), expanded to the same bf16 tiles
-// on the fly (the packed argument of the three kernels below takes either).
+// amx_pack_weight, or a weight's GGUF blocks as uint8: Q4_1 / Q8_0 [N/16,
+// K/32, 320 / 544], Q4_K / Q6_K [N/16, K/256, 2368 / 3360]
+// (executor/cpu/gguf_weights.py), expanded to the same bf16 tiles on the fly
+// (the packed argument of the three kernels below takes either).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                          const c10::optional<torch::Tensor>& bias);
 
@@ -43,7 +44,8 @@ torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& p
                                   const std::string& activation = "silu");
 
 // The bf16 tiles [N/16, K/32, 16, 16, 2] that the kernels expand uint8
-// Q4_1 / Q8_0 blocks to (equal to amx_pack_weight of the dequantised weight).
+// Q4_1 / Q8_0 / Q4_K / Q6_K blocks to (equal to amx_pack_weight of the
+// dequantised weight).
 torch::Tensor amx_dequant(const torch::Tensor& packed);
 
 }  // namespace cbserve_fused
