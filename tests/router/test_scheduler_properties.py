@@ -5,7 +5,7 @@ loses a token), within a bounded number of iterations."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from router.request import Status
@@ -108,7 +108,54 @@ class CheckingExecutor(FakeExecutor):
         self.live = set()
 
 
+def _spec(prompt_len, max_new_tokens, tenant, arrival, priority=0):
+    return dict(
+        prompt_len=prompt_len,
+        shared=False,
+        max_new_tokens=max_new_tokens,
+        priority=priority,
+        expected=None,
+        arrival=arrival,
+        join=0,
+        tenant=tenant,
+    )
+
+
+# Fair share once held prefill budget for a waiting prompt of a less-served
+# tenant that could not get blocks, which the running prefills held: no token
+# moved again. Without, and with, a prefix-cache hit of its own.
+_RESERVE_STALLS = [
+    dict(
+        specs=[_spec(5, 1, "a", 0.0)]
+        + [_spec(1, 1, "a", 1e-3 * i) for i in (1, 2, 3)]
+        + [_spec(5, 1, "b", 0.004), _spec(3, 1, "c", 0.005), _spec(1, 1, "a", 0.006)],
+        max_num_seqs=3,
+        prefix=False,
+    ),
+    dict(
+        specs=[_spec(1, 5, "a", 0.0, priority=3), _spec(7, 1, "b", 0.001, priority=3), _spec(1, 1, "a", 0.002)],
+        max_num_seqs=2,
+        prefix=True,
+    ),
+]
+
+
+def _stall_example(case):
+    return example(
+        **case,
+        policy="fair",
+        mode="recompute",
+        block_size=1,
+        extra_blocks=0,
+        num_swap_blocks=0,
+        budget_extra=0,
+        threshold=0,
+    )
+
+
 @SETTINGS
+@_stall_example(_RESERVE_STALLS[0])
+@_stall_example(_RESERVE_STALLS[1])
 @given(
     specs=workloads(),
     policy=st.sampled_from(POLICIES),
