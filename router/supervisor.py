@@ -27,6 +27,15 @@ EXECUTOR_USAGE_ERROR = 2  # executor/main.py's USAGE_ERROR (the router does not 
 
 
 class ExecutorProcess:
+    # Restart back-off: doubles per death from the first up to the most, and
+    # starts from the first again once an executor has served this long
+    # (a death after a long healthy run is not a crash loop, as Kubernetes'
+    # CrashLoopBackOff resets).
+    first_backoff_s = 0.5
+    max_backoff_s = 10.0
+    healthy_reset_s = 60.0
+    module = "executor"  # what `python -m` runs
+
     def __init__(self, argv: list[str], on_refused: asyncio.Event | None = None, name: str = "") -> None:
         self.argv = argv
         self.name = name  # the model it serves (logs)
@@ -35,6 +44,7 @@ class ExecutorProcess:
         self.restarts = 0
         self.refused = False  # it could not start: exited before it was ready, or with EXECUTOR_USAGE_ERROR
         self.ready = False  # this process wrote its ready byte (executor/main.py)
+        self.started_at = 0.0  # loop time of the last start
         self._stopping = False
 
     async def start(self) -> None:
@@ -45,7 +55,7 @@ class ExecutorProcess:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "executor",
+                self.module,
                 *self.argv,
                 start_new_session=True,
                 pass_fds=(write_fd,),
@@ -55,6 +65,7 @@ class ExecutorProcess:
         finally:
             os.close(write_fd)
         asyncio.get_running_loop().add_reader(read_fd, self._on_ready, read_fd)
+        self.started_at = asyncio.get_running_loop().time()
         _LOGGER.info("executor started", pid=self.proc.pid, model=self.name)
 
     def _on_ready(self, fd: int) -> None:
@@ -71,11 +82,13 @@ class ExecutorProcess:
             self.proc.kill()
 
     async def watch(self) -> None:
-        backoff = 0.5
+        backoff = self.first_backoff_s
         while not self._stopping:
             rc = await self.proc.wait()
             if self._stopping:
                 return
+            if asyncio.get_running_loop().time() - self.started_at >= self.healthy_reset_s:
+                backoff = self.first_backoff_s
             await asyncio.sleep(0)  # a ready byte written just before the exit is read first
             if rc == EXECUTOR_USAGE_ERROR or not self.ready:  # a restart would fail the same way
                 self.refused = True
@@ -89,7 +102,7 @@ class ExecutorProcess:
                 "executor exited; restarting", returncode=rc, model=self.name, restarts=self.restarts, in_s=backoff
             )
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+            backoff = min(backoff * 2, self.max_backoff_s)
             await self.start()
 
     async def stop(self, timeout: float = 10.0) -> None:
