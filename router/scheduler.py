@@ -360,6 +360,15 @@ class Scheduler:
             budget -= n
         return budget
 
+    def admission_fits(self, req: Request) -> bool:
+        """Whether _admit_waiting could start waiting `req` now, by memory:
+        its first chunk's blocks (after its prefix-cache hits) free beside
+        the watermark."""
+        cached = self.blocks.lookup_prefix(req)
+        computed = len(cached) * self.blocks.block_size
+        n = self._chunk(req.num_tokens - computed, self.cfg.max_num_batched_tokens)
+        return self.blocks.can_allocate(req, computed + n, cached, reserve=self.blocks.watermark_blocks)
+
     def _admit_waiting(self, budget: int, now: float, out: SchedulerOutput) -> None:
         if not self.waiting or (self.swapped and not self.policy.preemptive):
             return

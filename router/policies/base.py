@@ -20,6 +20,10 @@ class Queues(Protocol):
     swapped: list[Request]
     blocks: BlockManager
 
+    def admission_fits(self, req: Request) -> bool:
+        """Whether admission could start waiting `req` now, by memory."""
+        ...
+
 
 class Policy:
     """Subclass and override; every method has a continuous-batching default."""

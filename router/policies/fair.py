@@ -229,18 +229,13 @@ class FairPolicy(Policy):
         r = min(sched.waiting, key=lambda w: self.waiting_key(w, now))
         if share.get(r.tenant, top) >= top:
             return "", 0, False
-        # What the prefix cache holds is not computed again.
-        cached = sched.blocks.lookup_prefix(r)
-        computed = len(cached) * sched.blocks.block_size
-        tokens = r.num_tokens - computed
-        # Only a prompt that admission could start now (its first chunk's
-        # blocks free, as _admit_waiting asks): budget held for one that waits
-        # for blocks would leave the running prefills none, while they hold
-        # the blocks it waits for, forever.
-        first = computed + min(tokens, self.cfg.max_num_batched_tokens)
-        if not sched.blocks.can_allocate(r, first, cached, reserve=sched.blocks.watermark_blocks):
+        # Only a prompt that admission could start now: budget held for one
+        # that waits for blocks would leave the running prefills none, while
+        # they hold the blocks it waits for, forever.
+        if not sched.admission_fits(r):
             return "", 0, False
-        return r.tenant, tokens, True
+        # What the prefix cache holds is not computed again.
+        return r.tenant, r.num_tokens - len(sched.blocks.lookup_prefix(r)) * sched.blocks.block_size, True
 
     def begin_iteration(self) -> None:
         self._seat_cache = self._seats()
