@@ -360,11 +360,12 @@ class Scheduler:
             budget -= n
         return budget
 
-    def admission_fits(self, req: Request) -> bool:
+    def admission_fits(self, req: Request, cached: list[int] | None = None) -> bool:
         """Whether _admit_waiting could start waiting `req` now, by memory:
-        its first chunk's blocks (after its prefix-cache hits) free beside
-        the watermark."""
-        cached = self.blocks.lookup_prefix(req)
+        its first chunk's blocks (after its prefix-cache hits, `cached`
+        where the caller has looked them up) free beside the watermark."""
+        if cached is None:
+            cached = self.blocks.lookup_prefix(req)
         computed = len(cached) * self.blocks.block_size
         n = self._chunk(req.num_tokens - computed, self.cfg.max_num_batched_tokens)
         return self.blocks.can_allocate(req, computed + n, cached, reserve=self.blocks.watermark_blocks)

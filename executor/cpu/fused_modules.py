@@ -92,8 +92,7 @@ class FusedMLP(torch.nn.Module):
                 self.packed_gate_up, self.packed_blocks = avx512_weights(blocks, pack(w), "gate_up")
             else:
                 self.packed_gate_up = packed_tiles(blocks, pack(w), "gate_up")
-                alone = self.packed_gate_up.dtype == torch.uint8 and amx_alone(blocks)
-                if activation == "silu" and not alone:  # amx_q4_rows_linear's epilogue is SiLU's
+                if activation == "silu" and not amx_alone(blocks, self.packed_gate_up):  # rows: SiLU's epilogue
                     self.packed_rows = packed_rows(blocks, w[order], "gate_up")
         del w
         self.down = down if isinstance(down, PackedLinear) else PackedLinear(down, batch_hint, keep_plain=False)

@@ -455,14 +455,17 @@ def packed_tiles(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str
     return bf16_tiles
 
 
-def amx_alone(blocks: BlockWeight | None) -> bool:
-    """Whether an AMX CPU's layer over these blocks holds them alone, with
-    no plain bf16 weight beside them (for F.linear over long prefill chunks)
-    nor the feature-major Q4_1 copy (amx_q4_rows_linear for few rows):
-    amx_linear then runs at every row count. K-quant layers always; Q4_0 /
-    Q4_1 / Q8_0 ones where the model is too large to keep tiles
-    (`keep_tiles`), so that the weights take about the file's size."""
-    return blocks is not None and (blocks.kind in K_QUANTS or not blocks.keep_tiles)
+def amx_alone(blocks: BlockWeight | None, packed: torch.Tensor) -> bool:
+    """Whether an AMX CPU's layer that packed these blocks (`packed`, what
+    packed_tiles gave) holds them alone, with no plain bf16 weight beside
+    them (for F.linear over long prefill chunks) nor the feature-major Q4_1
+    copy (amx_q4_rows_linear for few rows): amx_linear then runs at every
+    row count. K-quant layers always; Q4_0 / Q4_1 / Q8_0 ones where the
+    model is too large to keep tiles (`keep_tiles`), so that the weights
+    take about the file's size."""
+    if blocks is None or packed.dtype != torch.uint8:  # no blocks, or bf16 tiles instead of them
+        return False
+    return blocks.kind in K_QUANTS or not blocks.keep_tiles
 
 
 def avx512_weights(

@@ -143,7 +143,7 @@ class PackedLinear(torch.nn.Module):
             # weights; kept for the lean forward's fused q|k|v (fast_forward.py).
             self.cbserve_blocks = blocks_of(linear)
             self.packed = packed_tiles(self.cbserve_blocks, pack(w), "linear")
-            self._amx_alone = self.packed.dtype == torch.uint8 and amx_alone(self.cbserve_blocks)
+            self._amx_alone = amx_alone(self.cbserve_blocks, self.packed)
             if self.bias is None and not self._amx_alone:
                 self.packed_rows = packed_rows(self.cbserve_blocks, w, "linear")
             self._amx_argmax = _fused().amx_linear_argmax  # amx_ops() checked the CPU

@@ -20,7 +20,7 @@ class Queues(Protocol):
     swapped: list[Request]
     blocks: BlockManager
 
-    def admission_fits(self, req: Request) -> bool:
+    def admission_fits(self, req: Request, cached: list[int] | None = None) -> bool:
         """Whether admission could start waiting `req` now, by memory."""
         ...
 

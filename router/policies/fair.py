@@ -229,13 +229,14 @@ class FairPolicy(Policy):
         r = min(sched.waiting, key=lambda w: self.waiting_key(w, now))
         if share.get(r.tenant, top) >= top:
             return "", 0, False
+        cached = sched.blocks.lookup_prefix(r)
         # Only a prompt that admission could start now: budget held for one
         # that waits for blocks would leave the running prefills none, while
         # they hold the blocks it waits for, forever.
-        if not sched.admission_fits(r):
+        if not sched.admission_fits(r, cached):
             return "", 0, False
         # What the prefix cache holds is not computed again.
-        return r.tenant, r.num_tokens - len(sched.blocks.lookup_prefix(r)) * sched.blocks.block_size, True
+        return r.tenant, r.num_tokens - len(cached) * sched.blocks.block_size, True
 
     def begin_iteration(self) -> None:
         self._seat_cache = self._seats()
