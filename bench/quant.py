@@ -12,9 +12,10 @@ Q4_K, Q6_K, Q4_K_M), written once into the work directory.
 
 Systems per file, started one at a time, alone on the machine, their order
 alternating by round:
-  cbserve blocks    `cbserve serve --model FILE` (the default: blocks), its
+  cbserve blocks    `cbserve serve --model FILE` (the defaults: blocks, --dtype auto), its
                     speculative decoding off unless --speculative
-  cbserve expanded  the same with CBSERVE_GGUF_BLOCKS=0 (today's expansion to bf16)
+  cbserve expanded  the same with CBSERVE_GGUF_BLOCKS=0 (the expansion to the
+                    serving dtype: bf16, or fp32 on CPUs without bf16 arithmetic)
   llama.cpp         llama-server -np MANY -cb -t <CPUs> on the file (--llama-server)
 
 Workloads (prompts of 128 random token ids, MAX_TOKENS output tokens each,
@@ -119,6 +120,19 @@ def _stats(wall: float, res: list[dict]) -> dict:
     }
 
 
+def cbserve_settings(kind: str, args) -> dict:
+    """CbserveServer's settings for a cbserve system: `--dtype auto`, as
+    `cbserve serve --model FILE` runs by default (bf16 where the CPU
+    computes it, fp32 elsewhere, which on AVX2 is what the blocks' kernel
+    computes in); the expansion by CBSERVE_GGUF_BLOCKS=0; speculation off
+    unless asked, as llama.cpp's server drafts nothing here either."""
+    return {
+        "dtype": "auto",
+        "env": {"CBSERVE_GGUF_BLOCKS": "0"} if kind == "cbserve expanded" else {},
+        "config_overrides": {} if args.speculative else {"extra": {"speculative": {"method": ""}}},
+    }
+
+
 def run_system(kind: str, path: str, args, workdir: Path, vocab: int, rnd: int) -> dict:
     """Starts one system on the file, runs both workloads, stops it."""
     if kind == "llama.cpp":
@@ -126,11 +140,8 @@ def run_system(kind: str, path: str, args, workdir: Path, vocab: int, rnd: int) 
         srv = LlamaServer(args.llama_server, path, args.many, "", log)
         url, model, usage = srv.url, "model", False
     else:
-        env = {"CBSERVE_GGUF_BLOCKS": "0"} if kind == "cbserve expanded" else {}
-        # Speculation off unless asked: llama.cpp's server drafts nothing here either.
-        spec = {} if args.speculative else {"extra": {"speculative": {"method": ""}}}
         srv = CbserveServer(
-            workdir / f"{kind.split()[1]}-{Path(path).stem}-{rnd}", "fcfs", model=path, env=env, config_overrides=spec
+            workdir / f"{kind.split()[1]}-{Path(path).stem}-{rnd}", "fcfs", model=path, **cbserve_settings(kind, args)
         )
         srv.start()
         log = srv.log_path

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from bench.quant import _stats, bodies, cbserve_weights_mb, tree_rss_mb, vocab_size
+from bench.quant import _stats, bodies, cbserve_settings, cbserve_weights_mb, tree_rss_mb, vocab_size
 
 
 def test_prompts_are_random_ids_inside_the_vocabulary():
@@ -68,3 +68,17 @@ def test_vocab_size_reads_the_files_token_list(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_gguf(LlamaForCausalLM(LlamaConfig(**small(vocab_size=300))).eval(), str(path))
     assert vocab_size(str(path)) == 300
+
+
+def test_cbserve_runs_as_serve_does_by_default():
+    """--dtype auto as `cbserve serve --model FILE` (fp32 on an AVX2 CPU,
+    where a fixed bf16 would take another kernel); the expansion only by
+    CBSERVE_GGUF_BLOCKS=0; drafts off unless asked."""
+    import argparse
+
+    off, on = argparse.Namespace(speculative=False), argparse.Namespace(speculative=True)
+    blocks, expanded = cbserve_settings("cbserve blocks", off), cbserve_settings("cbserve expanded", off)
+    assert blocks["dtype"] == expanded["dtype"] == "auto"
+    assert blocks["env"] == {} and expanded["env"] == {"CBSERVE_GGUF_BLOCKS": "0"}
+    assert blocks["config_overrides"] == {"extra": {"speculative": {"method": ""}}}
+    assert cbserve_settings("cbserve blocks", on)["config_overrides"] == {}
