@@ -14,6 +14,9 @@ Systems per file, started one at a time, alone on the machine, their order
 alternating by round:
   cbserve blocks    `cbserve serve --model FILE` (the defaults: blocks, --dtype auto), its
                     speculative decoding off unless --speculative
+  cbserve bf16-act  the blocks with CBSERVE_GGUF_ACTIVATIONS=bf16: where the
+                    default multiplies them by int8 activations (VNNI CPUs
+                    without AMX), the bf16 ones beside; elsewhere the same
   cbserve expanded  the same with CBSERVE_GGUF_BLOCKS=0 (the expansion to the
                     serving dtype: bf16, or fp32 on CPUs without bf16 arithmetic)
   llama.cpp         llama-server -np MANY -cb -t <CPUs> on the file (--llama-server)
@@ -126,9 +129,10 @@ def cbserve_settings(kind: str, args) -> dict:
     computes it, fp32 elsewhere, which on AVX2 is what the blocks' kernel
     computes in); the expansion by CBSERVE_GGUF_BLOCKS=0; speculation off
     unless asked, as llama.cpp's server drafts nothing here either."""
+    env = {"cbserve expanded": {"CBSERVE_GGUF_BLOCKS": "0"}, "cbserve bf16-act": {"CBSERVE_GGUF_ACTIVATIONS": "bf16"}}
     return {
         "dtype": "auto",
-        "env": {"CBSERVE_GGUF_BLOCKS": "0"} if kind == "cbserve expanded" else {},
+        "env": env.get(kind, {}),
         "config_overrides": {} if args.speculative else {"extra": {"speculative": {"method": ""}}},
     }
 
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     files = list(args.file or ([] if args.make else [smollm2_gguf()])) + [make_file(s, workdir) for s in args.make]
-    kinds = ["cbserve blocks", "cbserve expanded"] + (["llama.cpp"] if args.llama_server else [])
+    kinds = ["cbserve blocks", "cbserve bf16-act", "cbserve expanded"] + (["llama.cpp"] if args.llama_server else [])
     if args.systems:
         kinds = [k for k in kinds if k in args.systems.split(",")]
     cpu = _cpu_model()

@@ -344,6 +344,11 @@ def load_model(
         from executor.cpu import gguf_weights, int8_weights
 
         int8_layers = int8_weights.quantize(model, attach=gguf_weights.enabled())
+    activations = "bf16"
+    if blocks or int8_layers:
+        from executor.cpu import gguf_weights
+
+        activations = gguf_weights.apply_block_activations()
     _LOGGER.info(
         "model loaded",
         model=source.name,
@@ -352,6 +357,7 @@ def load_model(
         seconds=round(time.perf_counter() - t0, 2),
         gguf_block_layers=blocks,
         int8_layers=int8_layers,
+        block_activations=activations,
     )
     return model
 

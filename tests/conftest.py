@@ -224,6 +224,18 @@ def no_traceback_logged(request):
             pytest.fail(f"a server logged a traceback during this test:\n{text[max(0, at - 800) : at + 3000]}")
 
 
+@pytest.fixture(autouse=True)
+def native_block_activations_reset():
+    """Puts native._fused's process-wide block activations back to their
+    default ("bf16") after each test: a model loaded in-process on a VNNI CPU
+    without AMX sets "int8" (gguf_weights.apply_block_activations), and
+    kernel tests that follow expect the bf16 kernels."""
+    yield
+    fused = sys.modules.get("native._fused")
+    if fused is not None and hasattr(fused, "set_block_activations"):
+        fused.set_block_activations("bf16")
+
+
 @pytest.fixture(scope="session")
 def tiny_server():
     """One shared tiny-model server (fp32, native attention) for API tests."""

@@ -67,7 +67,7 @@ class FusedMLP(torch.nn.Module):
         ops = _gate_up_silu_ops(w)
         self.gate_up: PackedLinear | None = None
         self.packed_rows = None
-        self.packed_blocks = None  # avx512_linear_silu_mul's Q4_1 blocks for few rows (no AMX)
+        self.packed_blocks = None  # avx512_linear_silu_mul's GGUF blocks for few rows (no AMX)
         if ops is None:
             fused = torch.nn.Linear(w.shape[1], 2 * self.inter, bias=False, dtype=w.dtype)
             with torch.no_grad():
@@ -101,7 +101,8 @@ class FusedMLP(torch.nn.Module):
     @property
     def kernel(self) -> str:
         """What computes act(gate) * up: "amx_linear_silu_mul" (+ "-q4_1" / "-q8_0" over GGUF blocks),
-        "avx512_linear_silu_mul" ("+q4_1": over Q4_1 blocks for few rows; "-q4_k" etc.: over GGUF blocks alone)
+        "avx512_linear_silu_mul" ("+q4_1" / "+q8_0": over GGUF blocks for few rows; "-q4_k" etc.: over
+        GGUF blocks alone)
         or "<gate_up kernel> + silu_and_mul"; "(gelu_tanh)" after it for GELU."""
         suffix = "" if self.activation == "silu" else f" ({self.activation})"
         if self.gate_up is not None:
@@ -111,7 +112,7 @@ class FusedMLP(torch.nn.Module):
         kind = packed_kind(self.packed_gate_up)
         name = self._gate_up_silu.__name__
         if self.packed_blocks is not None:
-            name += "+q4_1"
+            name += f"+{packed_kind(self.packed_blocks)}"
         return (name if kind is None else f"{name}-{kind}") + suffix
 
     def act(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,11 @@ TILES_SWITCH = "CBSERVE_GGUF_TILES"
 AUTO_TILES_MAX_BYTES = 1 << 30
 # "0": Q4_1 layers keep amx_linear's layout and kernel instead of amx_q4_rows_linear's.
 ROWS_SWITCH = "CBSERVE_Q4_ROWS"
+# What avx512_linear multiplies blocks by for up to 16 rows (block_activations):
+# "int8" (x rounded per 32-wide k-block to int8, or int16 against Q8_0, and
+# integer dot products: 1.6-3x faster a decode step's kernel) or "bf16" (the
+# blocks expand to the bf16 model's tiles: outputs equal its bit for bit).
+ACTIVATIONS_SWITCH = "CBSERVE_GGUF_ACTIVATIONS"
 
 # GGUF tensor (per layer) -> the Hugging Face Llama module it becomes.
 _LAYER_NAMES = {
@@ -361,6 +366,33 @@ def supported() -> bool:
     return bool(fused.avx512_linear_supported() or fused.gguf_linear_avx2()) or portable_asked()
 
 
+def block_activations() -> str:
+    """ "int8" where avx512_linear serves the blocks (AVX512-BF16 CPUs without
+    AMX) and this CPU has AVX512-VNNI, unless ACTIVATIONS_SWITCH says "bf16";
+    else "bf16". amx_linear and gguf_linear always multiply in bf16 / fp32."""
+    switch = os.environ.get(ACTIVATIONS_SWITCH, "auto").strip().lower()
+    if switch not in ("auto", "int8", "bf16"):
+        _LOGGER.warning("unknown value, using auto", variable=ACTIVATIONS_SWITCH, value=switch)
+    try:
+        import native._fused as fused
+    except ImportError:
+        return "bf16"
+    if switch == "bf16" or not fused.avx512_int8_supported() or fused.amx_linear_supported():
+        return "bf16"
+    return "int8"
+
+
+def apply_block_activations() -> str:
+    """Sets the block kernels' activations (process-wide) to block_activations(); returns it."""
+    kind = block_activations()
+    try:
+        import native._fused as fused
+    except ImportError:
+        return kind
+    fused.set_block_activations(kind)
+    return kind
+
+
 def portable_asked() -> bool:
     """CBSERVE_GGUF_BLOCKS=1: blocks also where only portable code reads them."""
     return os.environ.get(ENV_SWITCH, "").strip() == "1"
@@ -472,15 +504,16 @@ def avx512_weights(
     blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What avx512_linear (CPUs without AMX) reads for a layer: (the weights
-    for any row count, Q4_1 blocks for few rows or None). A layer is served
+    for any row count, blocks for few rows or None). A layer is served
     from its blocks alone, no bf16 tiles beside them, so that a quantised
     file's model takes about the file's size (bits a weight: Q4_1 5,
     Q8_0 8.5, Q4_K 4.625, Q6_K 6.5625); but where its blocks say
     `keep_tiles` (a small model, TILES_SWITCH) a Q4_1 layer keeps the tiles,
     faster above AVX512_BLOCKS_MAX_ROWS rows, and its blocks for fewer
-    (packed_linear.py), and a Q8_0 layer the tiles alone (its expansion is
-    slower than their stream at any row count here). K-quants have no tiles
-    beside them."""
+    (packed_linear.py); a Q8_0 layer keeps the tiles alone under bf16
+    activations (its expansion is slower than their stream at any row count)
+    and its blocks beside them under int8 (small_batch_blocks). K-quants have
+    no tiles beside them."""
     if blocks is not None and (blocks.kind in K_QUANTS or not blocks.keep_tiles):
         return packed_tiles(blocks, bf16_tiles, what), None
     return bf16_tiles, small_batch_blocks(blocks, bf16_tiles, what)
@@ -526,9 +559,11 @@ class BlockEmbedding(torch.nn.Module):
 
 def small_batch_blocks(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str) -> torch.Tensor | None:
     """The packed Q4_1 blocks for avx512_linear's small batches (CPUs without
-    AMX) where they expand to exactly `bf16_tiles`, else None (Q8_0 blocks:
-    slower there than the tiles; packed_linear.AVX512_BLOCKS_MAX_ROWS)."""
-    if blocks is None or blocks.kind != "q4_1":
+    AMX) where they expand to exactly `bf16_tiles`, else None. Q8_0 blocks
+    too under int8 activations; expanded to bf16 they are slower there than
+    the tiles (packed_linear.AVX512_BLOCKS_MAX_ROWS)."""
+    kinds = ("q4_1", "q8_0") if block_activations() == "int8" else ("q4_1",)
+    if blocks is None or blocks.kind not in kinds:
         return None
     packed = packed_tiles(blocks, bf16_tiles, what)
     return packed if packed is not bf16_tiles else None

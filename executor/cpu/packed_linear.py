@@ -58,18 +58,19 @@ AMX_MAX_ROWS = 320
 # beats amx_linear kernel against kernel, but in a whole decode step only up
 # to about here (docs/native.md).
 Q4_ROWS_MAX_ROWS = 32
-# Rows up to which, on AVX512-BF16 CPUs without AMX, GGUF Q4_1 layers run
-# `avx512_linear` over their blocks (expanded in registers) rather than over
-# the bf16 tiles: the 4-bit blocks are 5/16 of the bytes, and the expansion
-# costs less than the bytes saved up to ~6 rows (kernel against kernel, from
-# memory; docs/native.md). Q8_0 blocks expand slower than bf16 tiles stream
-# at any row count here, so Q8_0 layers keep the tiles alone.
+# Rows up to which, on AVX512-BF16 CPUs without AMX, a small model's GGUF
+# layers (those that keep bf16 tiles beside their blocks) run `avx512_linear`
+# over their blocks rather than the tiles: Q4_1 blocks are 5/16 of the bytes,
+# and under int8 activations (gguf_weights.block_activations) Q8_0 blocks too
+# beat the tiles up to about here, kernel against kernel (docs/native-cpu.md).
+# Under bf16 activations Q8_0 blocks expand slower than the tiles stream at
+# any row count, so Q8_0 layers keep the tiles alone.
 AVX512_BLOCKS_MAX_ROWS = 4
 
 
 def blocks_or_tiles(tiles: torch.Tensor, blocks: torch.Tensor | None, rows: int) -> torch.Tensor:
     """What avx512_linear (and its gate|up twin) reads for `rows` rows: a
-    layer's Q4_1 blocks up to AVX512_BLOCKS_MAX_ROWS, else its bf16 tiles."""
+    layer's small-batch blocks up to AVX512_BLOCKS_MAX_ROWS, else its bf16 tiles."""
     return blocks if blocks is not None and rows <= AVX512_BLOCKS_MAX_ROWS else tiles
 
 
@@ -134,7 +135,7 @@ class PackedLinear(torch.nn.Module):
         self._amx_argmax = None
         self._amx_alone = False  # amx_linear over GGUF blocks alone, at every row count (gguf_weights.amx_alone)
         self.packed_rows = None
-        self.packed_blocks = None  # avx512_linear's Q4_1 blocks for <= AVX512_BLOCKS_MAX_ROWS rows
+        self.packed_blocks = None  # avx512_linear's GGUF blocks for <= AVX512_BLOCKS_MAX_ROWS rows
         if amx is not None:
             from executor.cpu.gguf_weights import amx_alone, blocks_of, packed_rows, packed_tiles
 
@@ -183,7 +184,7 @@ class PackedLinear(torch.nn.Module):
     @property
     def kernel(self) -> str:
         """Which kernel family runs: "amx" ("amx-q4_1" / "amx-q8_0" over GGUF
-        blocks), "avx512" ("avx512+q4_1": also over Q4_1 blocks for small
+        blocks), "avx512" ("avx512+q4_1" / "+q8_0": also over GGUF blocks for small
         batches; "avx512-q4_1" etc.: over GGUF blocks alone), "gguf-q4_1" etc. (gguf_linear over
         GGUF blocks, CPUs without AVX512-BF16), "avx2_f32" or "onednn"."""
         if self._amx is not None:
@@ -197,7 +198,9 @@ class PackedLinear(torch.nn.Module):
             kind = packed_kind(self.packed)
             if kind is not None:
                 return f"avx512-{kind}"
-            return "avx512" if self.packed_blocks is None else "avx512+q4_1"
+            if self.packed_blocks is None:
+                return "avx512"
+            return f"avx512+{packed_kind(self.packed_blocks)}"
         if self._gguf is not None:
             from executor.cpu.gguf_weights import packed_kind
 

@@ -28,6 +28,14 @@ pytestmark = [
 AMX = fused.amx_linear_supported()
 
 
+@pytest.fixture(autouse=True)
+def _bf16_block_activations(monkeypatch):
+    # Bit-for-bit against bf16 tiles holds under bf16 activations; the int8
+    # ones (the default on VNNI CPUs without AMX) are tested in
+    # test_gguf_int8_activations.py.
+    monkeypatch.setenv(gguf_weights.ACTIVATIONS_SWITCH, "bf16")
+
+
 @pytest.fixture(scope="module")
 def source():
     return model_source.resolve("smollm2")

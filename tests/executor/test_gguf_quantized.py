@@ -26,6 +26,14 @@ from tests.small_configs import small
 pytestmark = pytest.mark.skipif(not avx512_bf16(), reason="needs an AVX512-BF16 CPU")
 
 
+@pytest.fixture(autouse=True)
+def _bf16_block_activations(monkeypatch):
+    # Bit-for-bit against bf16 tiles holds under bf16 activations; the int8
+    # ones (the default on VNNI CPUs without AMX) are tested in
+    # test_gguf_int8_activations.py.
+    monkeypatch.setenv(gguf_weights.ACTIVATIONS_SWITCH, "bf16")
+
+
 @pytest.fixture(scope="module")
 def model():
     from transformers import LlamaConfig, LlamaForCausalLM

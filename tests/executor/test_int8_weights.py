@@ -17,6 +17,15 @@ from tests.executor.helpers import avx512_bf16, greedy_with_hidden
 
 pytestmark = pytest.mark.skipif(not avx512_bf16(), reason="needs an AVX512-BF16 CPU")
 
+
+@pytest.fixture(autouse=True)
+def _bf16_block_activations(monkeypatch):
+    # Bit-for-bit against bf16 tiles holds under bf16 activations; the int8
+    # ones (the default on VNNI CPUs without AMX) are tested in
+    # test_gguf_int8_activations.py.
+    monkeypatch.setenv(gguf_weights.ACTIVATIONS_SWITCH, "bf16")
+
+
 SPEC = 'tiny:{"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}'
 
 

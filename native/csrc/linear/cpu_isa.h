@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #define CB_FUSED_X86 1
 #define CB_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define CB_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 #define CB_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define CB_FUSED_X86 0
@@ -38,6 +39,16 @@ inline bool has_avx512_bf16() {
 #if CB_FUSED_X86
   static const bool ok = isa_cap() >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether this CPU also runs CB_AVX512VNNI code (integer dot products).
+inline bool has_avx512_vnni() {
+#if CB_FUSED_X86
+  static const bool ok = has_avx512_bf16() && __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
   return false;
