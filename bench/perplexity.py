@@ -3,7 +3,7 @@ llama.cpp's `llama-perplexity` does, so the two can be compared on the same
 GGUF file (docs/quantization.md):
 
     cbserve bench perplexity --text FILE [--model smollm2] [--ctx 512]
-        [--llama-perplexity PATH/llama-perplexity] [--gguf FILE.gguf]
+        [--chunk N] [--llama-perplexity PATH/llama-perplexity] [--gguf FILE.gguf]
 
 The text is tokenized once (the model's tokenizer, no special tokens; with
 --llama-perplexity, llama.cpp's `llama-tokenize` beside it, so that both
@@ -15,6 +15,12 @@ whose prompt logprobs score the chunk's second half: position j's
 -log p(token j) for j in [ctx/2, ctx). The perplexity is exp of their mean.
 With --llama-perplexity the same file is scored by llama.cpp with the same
 context (`-c ctx`) and both numbers are printed with their ratio.
+
+--chunk N prefills each chunk N tokens a step (the router's
+`long_prefill_token_threshold`), so that its rows go through the kernels of
+an N-row decode step: with N <= 16 on a VNNI CPU without AMX, the int8
+activations of GGUF blocks (docs/quantization.md), which a whole 512-token
+prefill never takes.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-chunks", type=int, default=0, help="score at most this many chunks (0 = all)")
     p.add_argument("--llama-perplexity", default=None, help="llama.cpp's llama-perplexity binary")
     p.add_argument("--gguf", default=None, help="the GGUF file llama-perplexity reads (default: the embedded one)")
+    p.add_argument("--chunk", type=int, default=0, help="prefill N tokens a step (0: the whole chunk in one)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", default="/tmp/cbserve-perplexity")
     args = p.parse_args(argv)
@@ -106,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     text = Path(args.text).read_text(encoding="utf-8")
-    result: dict = {"text": args.text, "ctx": args.ctx}
-    with CbserveServer(workdir, "fcfs", dtype="bfloat16", model=args.model) as server:
+    result: dict = {"text": args.text, "ctx": args.ctx, "chunk": args.chunk}
+    overrides = {"long_prefill_token_threshold": args.chunk} if args.chunk else {}
+    with CbserveServer(workdir, "fcfs", dtype="bfloat16", model=args.model, config_overrides=overrides) as server:
         tok = AutoTokenizer.from_pretrained(default_converted_dir() if args.model is None else args.model)
         if args.llama_perplexity:
             ids = llama_tokens(args.llama_perplexity, gguf, args.text)
