@@ -371,8 +371,6 @@ def block_activations() -> str:
     AMX) and this CPU has AVX512-VNNI, unless ACTIVATIONS_SWITCH says "bf16";
     else "bf16". amx_linear and gguf_linear always multiply in bf16 / fp32."""
     switch = os.environ.get(ACTIVATIONS_SWITCH, "auto").strip().lower()
-    if switch not in ("auto", "int8", "bf16"):
-        _LOGGER.warning("unknown value, using auto", variable=ACTIVATIONS_SWITCH, value=switch)
     try:
         import native._fused as fused
     except ImportError:
@@ -383,7 +381,11 @@ def block_activations() -> str:
 
 
 def apply_block_activations() -> str:
-    """Sets the block kernels' activations (process-wide) to block_activations(); returns it."""
+    """Sets the block kernels' activations (process-wide) to block_activations(); returns it.
+    Called once a load, so an unknown ACTIVATIONS_SWITCH is warned of here, not per layer."""
+    switch = os.environ.get(ACTIVATIONS_SWITCH, "auto").strip().lower()
+    if switch not in ("auto", "int8", "bf16"):
+        _LOGGER.warning("unknown value, using auto", variable=ACTIVATIONS_SWITCH, value=switch)
     kind = block_activations()
     try:
         import native._fused as fused
