@@ -366,11 +366,15 @@ def supported() -> bool:
     return bool(fused.avx512_linear_supported() or fused.gguf_linear_avx2()) or portable_asked()
 
 
+def _activations_switch() -> str:
+    return os.environ.get(ACTIVATIONS_SWITCH, "auto").strip().lower()
+
+
 def block_activations() -> str:
     """ "int8" where avx512_linear serves the blocks (AVX512-BF16 CPUs without
     AMX) and this CPU has AVX512-VNNI, unless ACTIVATIONS_SWITCH says "bf16";
     else "bf16". amx_linear and gguf_linear always multiply in bf16 / fp32."""
-    switch = os.environ.get(ACTIVATIONS_SWITCH, "auto").strip().lower()
+    switch = _activations_switch()
     try:
         import native._fused as fused
     except ImportError:
@@ -383,7 +387,7 @@ def block_activations() -> str:
 def apply_block_activations() -> str:
     """Sets the block kernels' activations (process-wide) to block_activations(); returns it.
     Called once a load, so an unknown ACTIVATIONS_SWITCH is warned of here, not per layer."""
-    switch = os.environ.get(ACTIVATIONS_SWITCH, "auto").strip().lower()
+    switch = _activations_switch()
     if switch not in ("auto", "int8", "bf16"):
         _LOGGER.warning("unknown value, using auto", variable=ACTIVATIONS_SWITCH, value=switch)
     kind = block_activations()
@@ -560,9 +564,9 @@ class BlockEmbedding(torch.nn.Module):
 
 
 def small_batch_blocks(blocks: BlockWeight | None, bf16_tiles: torch.Tensor, what: str) -> torch.Tensor | None:
-    """The packed Q4_1 blocks for avx512_linear's small batches (CPUs without
-    AMX) where they expand to exactly `bf16_tiles`, else None. Q8_0 blocks
-    too under int8 activations; expanded to bf16 they are slower there than
+    """The packed blocks for avx512_linear's small batches (CPUs without AMX)
+    where they expand to exactly `bf16_tiles`, else None: Q4_1 blocks, and
+    Q8_0 blocks too under int8 activations; expanded to bf16 they are slower there than
     the tiles (packed_linear.AVX512_BLOCKS_MAX_ROWS)."""
     kinds = ("q4_1", "q8_0") if block_activations() == "int8" else ("q4_1",)
     if blocks is None or blocks.kind not in kinds:
