@@ -53,10 +53,11 @@ TILES_SWITCH = "CBSERVE_GGUF_TILES"
 AUTO_TILES_MAX_BYTES = 1 << 30
 # "0": Q4_1 layers keep amx_linear's layout and kernel instead of amx_q4_rows_linear's.
 ROWS_SWITCH = "CBSERVE_Q4_ROWS"
-# What avx512_linear multiplies blocks by for up to 16 rows (block_activations):
-# "int8" (x rounded per 32-wide k-block to int8, or int16 against Q8_0, and
-# integer dot products: 1.6-3x faster a decode step's kernel) or "bf16" (the
-# blocks expand to the bf16 model's tiles: outputs equal its bit for bit).
+# What avx512_linear and gguf_linear multiply blocks by for up to 16 rows
+# (block_activations): "int8" (x rounded per 32-wide k-block to int8, or
+# int16 against Q8_0, and integer dot products: 1.6-4x faster a decode
+# step's kernel) or "bf16" (the blocks expand to the model's weights: outputs
+# equal the bf16 or fp32 model's bit for bit).
 ACTIVATIONS_SWITCH = "CBSERVE_GGUF_ACTIVATIONS"
 
 # GGUF tensor (per layer) -> the Hugging Face Llama module it becomes.
@@ -371,9 +372,11 @@ def _activations_switch() -> str:
 
 
 def block_activations() -> str:
-    """ "int8" where avx512_linear serves the blocks (AVX512-BF16 CPUs without
-    AMX) and this CPU has AVX512-VNNI, unless ACTIVATIONS_SWITCH says "bf16";
-    else "bf16". amx_linear and gguf_linear always multiply in bf16 / fp32."""
+    """ "int8" where this CPU has AVX512-VNNI and no AMX, unless
+    ACTIVATIONS_SWITCH says "bf16"; else "bf16". Under int8, the few-row
+    calls of avx512_linear (AVX512-BF16 CPUs: Zen 4) and of gguf_linear (CPUs
+    without it: Ice Lake, Cascade Lake) use integer dot products; amx_linear
+    always multiplies in bf16, and gguf_linear on AVX2-only CPUs in fp32."""
     switch = _activations_switch()
     try:
         import native._fused as fused

@@ -1,16 +1,18 @@
 """Int8 activations (gguf_weights.block_activations): on AVX512-VNNI CPUs
-without AMX, avx512_linear multiplies a GGUF file's blocks for up to 16 rows
-by x rounded per 32-wide k-block to int8 (int16 against Q8_0), with integer
-dot products. The model then no longer equals its bf16 expansion bit for bit
+without AMX, a GGUF file's blocks are multiplied for up to 16 rows by x
+rounded per 32-wide k-block to int8 (int16 against Q8_0), with integer dot
+products: by avx512_linear in a bf16 model (AVX512-BF16 CPUs), by
+gguf_linear in an fp32 one (every model on CPUs without AVX512-BF16, such as
+Ice Lake). The model then no longer equals its expansion bit for bit
 (test_gguf_quantized.py checks that under bf16 activations); this file checks
 how near it stays to the file's model dequantised to fp32.
 
 A tiny random model's logits are nearly flat (its top two often lie within
-0.01), so neither bf16 nor int8 activations give fp32's greedy tokens for
-long: both part from them at the first near tie. What must hold is that int8
-picks, at every step, fp32's argmax or a token fp32 rates within NEAR_TIE of
-it (fp32 re-scoring int8's own tokens), and that its hidden states stay
-within HIDDEN_REL of the bf16 activations' while the tokens agree.
+0.01), so neither the expansion nor int8 activations give fp32's greedy
+tokens for long: both part from them at the first near tie. What must hold is
+that int8 picks, at every step, fp32's argmax or a token fp32 rates within
+NEAR_TIE of it (fp32 re-scoring int8's own tokens), and that its hidden states
+stay within HIDDEN_REL of the expansion's while the tokens agree.
 
 On AMX CPUs the runner takes amx_linear, so the check runs in a subprocess
 capped to AVX-512 (CBSERVE_NATIVE_ISA=avx512), as a CPU without AMX."""
@@ -30,19 +32,22 @@ from executor.cpu import gguf_weights
 from tests.conftest import REPO
 from tests.executor.helpers import avx512_bf16
 
-pytestmark = pytest.mark.skipif(
-    not avx512_bf16() or not fused.avx512_int8_supported(), reason="needs an AVX512-BF16 CPU with VNNI"
-)
+pytestmark = pytest.mark.skipif(not fused.avx512_int8_supported(), reason="needs an AVX512-VNNI CPU")
 
-QUANTS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q8_0/tiles")
+# By the model's dtype: bf16 tiles beside blocks ("/tiles") exist in bf16 only.
+QUANTS = {
+    "bfloat16": ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q8_0/tiles"),
+    "float32": ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
+}
 STEPS = 12
 NEAR_TIE = 0.01  # logits; the random model's top-2 gaps run 0.0005 .. 0.2
 HIDDEN_REL = 0.03  # |h_int8 - h_bf16| / |h_bf16|, 2 layers; 0.4 - 1.1 % measured
 
 
-def _serve(quants: list[str], tmp: str) -> dict:
+def _serve(quants: list[str], tmp: str, dtype: str) -> dict:
     """Runs in the capped subprocess: for each quant, the tiny model's file
-    served under int8 then bf16 activations, and fp32's view of both."""
+    served in `dtype` under int8 then bf16 activations (the expansion), and
+    fp32's view of both."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -72,7 +77,7 @@ def _serve(quants: list[str], tmp: str) -> dict:
         for kind in ("int8", "bf16"):
             os.environ[gguf_weights.ACTIVATIONS_SWITCH] = "auto" if kind == "int8" else "bf16"
             with structlog.testing.capture_logs() as logs:
-                runner = ModelRunner(model_loader.load_model(source, torch.bfloat16), 16, 64)
+                runner = ModelRunner(model_loader.load_model(source, getattr(torch, dtype)), 16, 64)
             loaded = next(e for e in logs if e["event"] == "model loaded")
             qkv = runner.lean.layers[0].qkv.__self__
             kernel = (qkv.kernel, qkv.kernel_for(3), qkv.kernel_for(5))
@@ -123,33 +128,42 @@ def _serve(quants: list[str], tmp: str) -> dict:
     return out
 
 
-def test_int8_activations_stay_near_the_fp32_model(tmp_path):
+def _expected_kernels(dtype: str, quant: str) -> tuple[list[str], list[str]]:
+    """(int8, bf16) activations' (fused q|k|v kernel, kernel_for(3 rows), kernel_for(5 rows))."""
+    kind = {"Q4_0": "q4_1"}.get(quant.partition("/")[0], quant.partition("/")[0].lower())
+    if dtype == "float32":  # gguf_linear at every row count
+        same = [f"gguf-{kind}", "gguf_linear", "gguf_linear"]
+        return same, same
+    if quant.endswith("/tiles"):
+        # Q8_0 blocks beside the tiles, for up to AVX512_BLOCKS_MAX_ROWS rows,
+        # under int8 only: expanded to bf16 they are slower than the tiles.
+        return ["avx512+q8_0", "avx512_linear-q8_0", "avx512_linear"], ["avx512", "avx512_linear", "avx512_linear"]
+    same = [f"avx512-{kind}", f"avx512_linear-{kind}", f"avx512_linear-{kind}"]
+    return same, same
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_activations_stay_near_the_fp32_model(tmp_path, dtype):
+    if dtype == "bfloat16" and not avx512_bf16():
+        pytest.skip("a bf16 model's blocks meet int8 in avx512_linear: an AVX512-BF16 CPU")
+    if dtype == "float32" and not fused.gguf_linear_avx2():
+        pytest.skip("gguf_linear's vector code needs AVX2 + FMA + F16C")
     env = {**os.environ, "CBSERVE_NATIVE_ISA": "avx512", "PYTHONPATH": str(REPO)}
     env.pop(gguf_weights.ACTIVATIONS_SWITCH, None)
+    quants = QUANTS[dtype]
     code = (
         "import json, sys; from tests.executor.test_gguf_int8_activations import _serve; "
-        f"print('RESULT ' + json.dumps(_serve({list(QUANTS)!r}, {str(tmp_path)!r})))"
+        f"print('RESULT ' + json.dumps(_serve({list(quants)!r}, {str(tmp_path)!r}, {dtype!r})))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    for quant in QUANTS:
+    for quant in quants:
         r = result[quant]
-        kind = {"Q4_0": "q4_1"}.get(quant, quant.lower())
         # Without AMX, the default is int8 (logged at load) and the switch turns it off.
         assert (r["int8_logged"], r["int8_native"]) == ("int8", "int8"), quant
         assert (r["bf16_logged"], r["bf16_native"]) == ("bf16", "bf16"), quant
-        if quant.endswith("/tiles"):
-            # Q8_0 blocks beside the tiles, for up to AVX512_BLOCKS_MAX_ROWS rows,
-            # under int8 only: expanded to bf16 they are slower than the tiles.
-            assert r["int8_kernel"] == ["avx512+q8_0", "avx512_linear-q8_0", "avx512_linear"], quant
-            assert r["bf16_kernel"] == ["avx512", "avx512_linear", "avx512_linear"], quant
-        else:
-            assert (
-                r["int8_kernel"]
-                == r["bf16_kernel"]
-                == [f"avx512-{kind}", f"avx512_linear-{kind}", f"avx512_linear-{kind}"]
-            ), quant
+        assert (r["int8_kernel"], r["bf16_kernel"]) == _expected_kernels(dtype, quant), quant
         # Every token int8 picks is fp32's choice or a near tie of it ...
         assert r["max_margin"] <= NEAR_TIE, (quant, r)
         # ... and its first tokens are fp32's, as far as bf16's are or at least 3

@@ -11,17 +11,6 @@ namespace cbserve_fused {
 // Whether this CPU runs avx512_linear (AVX512-BF16; AMX not needed).
 bool avx512_linear_supported();
 
-// Whether this CPU runs the integer (int8-activation) block kernels: AVX512-VNNI.
-bool avx512_int8_supported();
-
-// How avx512_linear multiplies GGUF blocks for up to 16 rows: "bf16" (the
-// default: the blocks expand to the bf16 model's tiles, outputs equal its
-// bit for bit) or "int8" (x rounded per 32-wide k-block to int8, or int16
-// against Q8_0, and integer dot products over the blocks' own values;
-// AVX512-VNNI CPUs, bf16 elsewhere). Process-wide.
-void set_block_activations(const std::string& kind);
-std::string block_activations();
-
 // y [M, N] = x [M, K] · weightᵀ (+ bias [N]), bf16, with `packed` from
 // amx_pack_weight (bf16 tiles [N/16, K/32, 16, 16, 2]; any K, any N) or a
 // GGUF Q4_1 / Q8_0 weight's blocks packed by executor/cpu/gguf_weights.py

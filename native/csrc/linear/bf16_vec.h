@@ -32,9 +32,9 @@ inline Act parse_act(const std::string& name) {
 #if CB_FUSED_X86
 namespace cbserve_fused {
 
-CB_AVX512BF16 inline __mmask16 lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+CB_AVX512 inline __mmask16 lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
 
-CB_AVX512BF16 inline __m512 load_bf16(const c10::BFloat16* p) {
+CB_AVX512 inline __m512 load_bf16(const c10::BFloat16* p) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }

@@ -6,8 +6,13 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define CB_FUSED_X86 1
+// Plain AVX-512 (helpers that CB_AVX512BF16 and CB_AVX512VNNI code inline:
+// a callee's target must be a subset of its caller's).
+#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define CB_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define CB_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
+// Integer dot products (int8_blocks.cpp): no AVX512-BF16, so that Ice Lake
+// and Cascade Lake run them as well as Zen 4 and Sapphire Rapids.
+#define CB_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define CB_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define CB_FUSED_X86 0
@@ -45,10 +50,12 @@ inline bool has_avx512_bf16() {
 #endif
 }
 
-// Whether this CPU also runs CB_AVX512VNNI code (integer dot products).
+// Whether this CPU runs CB_AVX512VNNI code (integer dot products), with or
+// without AVX512-BF16.
 inline bool has_avx512_vnni() {
 #if CB_FUSED_X86
-  static const bool ok = has_avx512_bf16() && __builtin_cpu_supports("avx512vnni");
+  static const bool ok = isa_cap() >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
   return false;

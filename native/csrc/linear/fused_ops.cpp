@@ -26,6 +26,7 @@
 #include "avx2_f32_linear.h"
 #include "avx512_linear.h"
 #include "gguf_linear.h"
+#include "int8_blocks.h"
 #include "lora_linear.h"
 
 namespace {
@@ -911,10 +912,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "amx_pack_gate_up; AVX512-BF16 CPUs (see avx512_linear_supported).");
   m.def("avx512_linear_supported", &cbserve_fused::avx512_linear_supported);
   m.def("avx512_int8_supported", &cbserve_fused::avx512_int8_supported,
-        "Whether avx512_linear can multiply GGUF blocks by int8 activations (AVX512-VNNI).");
+        "Whether avx512_linear and gguf_linear can multiply GGUF blocks by int8 activations (AVX512-VNNI, "
+        "with or without AVX512-BF16).");
   m.def("set_block_activations", &cbserve_fused::set_block_activations, py::arg("kind"),
-        "'bf16' (default: equal to the bf16 model bit for bit) or 'int8': how avx512_linear multiplies GGUF "
-        "blocks for up to 16 rows (int8 / int16 activations per 32-wide k-block, integer dot products).");
+        "'bf16' (default: the blocks expand to the model's weights, outputs equal its bit for bit) or 'int8': how "
+        "avx512_linear (up to 16 rows) and gguf_linear (every call) multiply GGUF blocks (int8 / int16 "
+        "activations per 32-wide k-block, integer dot products; AVX512-VNNI CPUs).");
   m.def("block_activations", &cbserve_fused::block_activations);
   m.def("avx2_f32_pack_weight", &cbserve_fused::avx2_f32_pack_weight, py::arg("weight"),
         "weight [N, K] fp32 or bf16 -> the zero-padded panel layout avx2_f32_linear reads (same dtype): "

@@ -10,7 +10,9 @@
 // features live in a per-thread buffer between k-blocks, so each output's
 // sum runs over k in order with one FMA per term: avx2_f32_linear's own
 // arithmetic over the same weights. The AVX2 code (FMA, F16C) and the
-// portable code compute the same values and sums, bit for bit.
+// portable code compute the same values and sums, bit for bit. Under int8
+// block activations (AVX512-VNNI CPUs) every call goes to int8_blocks
+// instead: Ice Lake and Cascade Lake run this file, lacking AVX512-BF16.
 
 #include "gguf_linear.h"
 
@@ -21,11 +23,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "avx2_bf16.h"
 #include "cpu_isa.h"
 #include "gguf_tiles.h"
+#include "int8_blocks.h"
 #include "linear_args.h"
 
 namespace cbserve_fused {
@@ -414,6 +418,36 @@ bool rounds(at::ScalarType dtype) {
   return dtype == at::kBFloat16;
 }
 
+// Rows up to which int8 block activations take the integer kernels: every
+// call, prefill chunks included. This file's fp32 expansion was slower at
+// every row count measured (docs/benchmarks-quant.md), whereas
+// avx512_linear's bf16 dot products keep up above int8_blocks::kMaxRows.
+constexpr int64_t kIntMaxRows = std::numeric_limits<int64_t>::max();
+
+// The epilogue of int8_blocks' sums: bias, then the output in x's dtype
+// (bf16 rounded once).
+struct IntOut {
+  const float* bias;  // [N] fp32 or null
+  float* y32;
+  c10::BFloat16* y16;
+  int64_t N;
+};
+
+void store_int_sums(const void* ctx, int64_t m0, int rows, int64_t nb, int nv, const float* sums) {
+  const IntOut& o = *static_cast<const IntOut*>(ctx);
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < nv; ++v)
+      for (int64_t f = 0; f < kTileN; ++f) {
+        const int64_t n = (nb + v) * kTileN + f;
+        if (n >= o.N) break;
+        const float y = sums[(r * nv + v) * kTileN + f] + (o.bias != nullptr ? o.bias[n] : 0.0f);
+        if (o.y16 != nullptr)
+          o.y16[(m0 + r) * o.N + n] = c10::BFloat16(y);
+        else
+          o.y32[(m0 + r) * o.N + n] = y;
+      }
+}
+
 }  // namespace
 
 bool gguf_linear_avx2() { return use_avx2(); }
@@ -429,10 +463,15 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   auto y = torch::empty({x.size(0), out_features}, x.options());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   if (M == 0) return y;
-  const auto x32 = bf16 ? x.to(at::kFloat) : x;  // exact
-  const float* xp = x32.data_ptr<float>();
   float* y32 = bf16 ? nullptr : y.data_ptr<float>();
   auto* y16 = bf16 ? reinterpret_cast<c10::BFloat16*>(y.data_ptr<c10::BFloat16>()) : nullptr;
+  if (int8_blocks::takes(M, kIntMaxRows)) {  // block_activations "int8": integer dot products
+    const IntOut out{bp, y32, y16, N};
+    int8_blocks::multiply(x.data_ptr(), bf16, M, K, b.fmt, b.src, b.nblocks, b.kblocks, store_int_sums, &out);
+    return y;
+  }
+  const auto x32 = bf16 ? x.to(at::kFloat) : x;  // exact
+  const float* xp = x32.data_ptr<float>();
   const int64_t pairs = ceil_div(b.nblocks, 2);
   // Up to kStreamRows rows each tile's products follow its expansion (the
   // sums wait in `acc` between k-blocks); above, each column block is

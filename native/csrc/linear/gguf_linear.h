@@ -18,7 +18,10 @@ bool gguf_linear_avx2();
 // weights), y bf16 rounded once. Every product and sum in fp32, each output
 // summed over k in order from 0 with one FMA per term, then the bias added:
 // what avx2_f32_linear computes over the same weights packed as panels, bit
-// for bit, on the AVX2 and the portable paths alike.
+// for bit, on the AVX2 and the portable paths alike. Except under int8 block
+// activations (set_block_activations, AVX512-VNNI CPUs), at any row count:
+// then x is rounded per 32-wide k-block and multiplied with integer dot
+// products (int8_blocks.h), bias added in fp32, y in x's dtype.
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           const c10::optional<torch::Tensor>& bias);
 

@@ -115,15 +115,15 @@ struct TileScales {
   __m512 dl, dh, ml, mh;
 };
 
-CB_AVX512BF16 inline __m512 f16_ps(const uint8_t* p) {
+CB_AVX512 inline __m512 f16_ps(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-CB_AVX512BF16 inline __m512 u8_ps(const uint8_t* p) {
+CB_AVX512 inline __m512 u8_ps(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-CB_AVX512BF16 inline __m512 i8_ps(const uint8_t* p) {
+CB_AVX512 inline __m512 i8_ps(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
@@ -199,7 +199,7 @@ CB_AVX512BF16 inline __m512bh q6_row(__m512i group, __m512i high, const TileScal
 }
 
 // Group g's high bits of a Q6_K k-block (`q`: its bytes), one lane each.
-CB_AVX512BF16 inline __m512i q6_high(const uint8_t* q, int g) {
+CB_AVX512 inline __m512i q6_high(const uint8_t* q, int g) {
   return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 256 + 32 * g)));
 }
 
