@@ -15,8 +15,12 @@ alternating by round:
   cbserve blocks    `cbserve serve --model FILE` (the defaults: blocks, --dtype auto), its
                     speculative decoding off unless --speculative
   cbserve bf16-act  the blocks with CBSERVE_GGUF_ACTIVATIONS=bf16: where the
-                    default multiplies them by int8 activations (VNNI CPUs
-                    without AMX), the bf16 ones beside; elsewhere the same
+                    default multiplies them by int8 activations (Zen 4),
+                    their expansion to bf16 beside; elsewhere the same
+  cbserve int8-act  the blocks with CBSERVE_GGUF_ACTIVATIONS=int8: on VNNI
+                    CPUs without AVX512-BF16 (Ice Lake), where the default
+                    is the fp32 expansion, int8 activations beside; else
+                    the same as the default (so only when --systems names it)
   cbserve expanded  the same with CBSERVE_GGUF_BLOCKS=0 (the expansion to the
                     serving dtype: bf16, or fp32 on CPUs without bf16 arithmetic)
   llama.cpp         llama-server -np MANY -cb -t <CPUs> on the file (--llama-server)
@@ -129,7 +133,11 @@ def cbserve_settings(kind: str, args) -> dict:
     computes it, fp32 elsewhere, which on AVX2 is what the blocks' kernel
     computes in); the expansion by CBSERVE_GGUF_BLOCKS=0; speculation off
     unless asked, as llama.cpp's server drafts nothing here either."""
-    env = {"cbserve expanded": {"CBSERVE_GGUF_BLOCKS": "0"}, "cbserve bf16-act": {"CBSERVE_GGUF_ACTIVATIONS": "bf16"}}
+    env = {
+        "cbserve expanded": {"CBSERVE_GGUF_BLOCKS": "0"},
+        "cbserve bf16-act": {"CBSERVE_GGUF_ACTIVATIONS": "bf16"},
+        "cbserve int8-act": {"CBSERVE_GGUF_ACTIVATIONS": "int8"},
+    }
     return {
         "dtype": "auto",
         "env": env.get(kind, {}),
@@ -195,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     files = list(args.file or ([] if args.make else [smollm2_gguf()])) + [make_file(s, workdir) for s in args.make]
-    kinds = ["cbserve blocks", "cbserve bf16-act", "cbserve expanded"] + (["llama.cpp"] if args.llama_server else [])
+    # cbserve int8-act only when --systems names it: it differs from the
+    # default on CPUs without AVX512-BF16 alone.
+    kinds = ["cbserve blocks", "cbserve bf16-act", "cbserve expanded"]
+    kinds += ["llama.cpp"] if args.llama_server else []
     if args.systems:
-        kinds = [k for k in kinds if k in args.systems.split(",")]
+        kinds = [k for k in [*kinds, "cbserve int8-act"] if k in args.systems.split(",")]
     cpu = _cpu_model()
     results = []
     for path in files:

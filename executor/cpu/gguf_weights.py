@@ -53,11 +53,12 @@ TILES_SWITCH = "CBSERVE_GGUF_TILES"
 AUTO_TILES_MAX_BYTES = 1 << 30
 # "0": Q4_1 layers keep amx_linear's layout and kernel instead of amx_q4_rows_linear's.
 ROWS_SWITCH = "CBSERVE_Q4_ROWS"
-# What avx512_linear and gguf_linear multiply blocks by for up to 16 rows
-# (block_activations): "int8" (x rounded per 32-wide k-block to int8, or
-# int16 against Q8_0, and integer dot products: 1.6-4x faster a decode
-# step's kernel) or "bf16" (the blocks expand to the model's weights: outputs
-# equal the bf16 or fp32 model's bit for bit).
+# What avx512_linear (up to 16 rows) and gguf_linear (every call) multiply
+# blocks by (block_activations): "int8" (x rounded per 32-wide k-block to
+# int8, or int16 against Q8_0, and integer dot products: faster kernels,
+# docs/benchmarks-quant.md) or "bf16" (the blocks expand to the model's weights: outputs equal
+# the bf16 or fp32 model's bit for bit). "auto": int8 on AVX512-BF16 CPUs
+# with VNNI and without AMX only.
 ACTIVATIONS_SWITCH = "CBSERVE_GGUF_ACTIVATIONS"
 
 # GGUF tensor (per layer) -> the Hugging Face Llama module it becomes.
@@ -372,17 +373,21 @@ def _activations_switch() -> str:
 
 
 def block_activations() -> str:
-    """ "int8" where this CPU has AVX512-VNNI and no AMX, unless
-    ACTIVATIONS_SWITCH says "bf16"; else "bf16". Under int8, the few-row
-    calls of avx512_linear (AVX512-BF16 CPUs: Zen 4) and of gguf_linear (CPUs
-    without it: Ice Lake, Cascade Lake) use integer dot products; amx_linear
-    always multiplies in bf16, and gguf_linear on AVX2-only CPUs in fp32."""
+    """ "int8" where this CPU has AVX512-VNNI and no AMX and ACTIVATIONS_SWITCH
+    asks for it: "int8", or "auto" (unset) on an AVX512-BF16 CPU (Zen 4),
+    where only avx512_linear's calls of up to 16 rows take it; else "bf16".
+    On CPUs without AVX512-BF16 (Ice Lake, Cascade Lake) every gguf_linear
+    call would take it, prefill chunks included, so there it is opt-in:
+    faster, but it can flip a near tie of the fp32 model (docs/quantization.md).
+    amx_linear always multiplies in bf16, gguf_linear on AVX2-only CPUs in fp32."""
     switch = _activations_switch()
     try:
         import native._fused as fused
     except ImportError:
         return "bf16"
     if switch == "bf16" or not fused.avx512_int8_supported() or fused.amx_linear_supported():
+        return "bf16"
+    if switch != "int8" and not fused.avx512_linear_supported():
         return "bf16"
     return "int8"
 

@@ -81,5 +81,6 @@ def test_cbserve_runs_as_serve_does_by_default():
     assert blocks["dtype"] == expanded["dtype"] == "auto"
     assert blocks["env"] == {} and expanded["env"] == {"CBSERVE_GGUF_BLOCKS": "0"}
     assert cbserve_settings("cbserve bf16-act", off)["env"] == {"CBSERVE_GGUF_ACTIVATIONS": "bf16"}
+    assert cbserve_settings("cbserve int8-act", off)["env"] == {"CBSERVE_GGUF_ACTIVATIONS": "int8"}
     assert blocks["config_overrides"] == {"extra": {"speculative": {"method": ""}}}
     assert cbserve_settings("cbserve blocks", on)["config_overrides"] == {}

@@ -1,9 +1,10 @@
 """Int8 activations (gguf_weights.block_activations): on AVX512-VNNI CPUs
-without AMX, a GGUF file's blocks are multiplied for up to 16 rows by x
-rounded per 32-wide k-block to int8 (int16 against Q8_0), with integer dot
-products: by avx512_linear in a bf16 model (AVX512-BF16 CPUs), by
-gguf_linear in an fp32 one (every model on CPUs without AVX512-BF16, such as
-Ice Lake). The model then no longer equals its expansion bit for bit
+without AMX, a GGUF file's blocks are multiplied by x rounded per 32-wide
+k-block to int8 (int16 against Q8_0), with integer dot products: by
+avx512_linear for up to 16 rows in a bf16 model (AVX512-BF16 CPUs, by
+default), by gguf_linear at every row count in an fp32 one (every model on
+CPUs without AVX512-BF16, such as Ice Lake; there with
+CBSERVE_GGUF_ACTIVATIONS=int8). The model then no longer equals its expansion bit for bit
 (test_gguf_quantized.py checks that under bf16 activations); this file checks
 how near it stays to the file's model dequantised to fp32.
 
@@ -75,7 +76,7 @@ def _serve(quants: list[str], tmp: str, dtype: str) -> dict:
         source = model_source.resolve(path)
         runs = {}
         for kind in ("int8", "bf16"):
-            os.environ[gguf_weights.ACTIVATIONS_SWITCH] = "auto" if kind == "int8" else "bf16"
+            os.environ[gguf_weights.ACTIVATIONS_SWITCH] = kind
             with structlog.testing.capture_logs() as logs:
                 runner = ModelRunner(model_loader.load_model(source, getattr(torch, dtype)), 16, 64)
             loaded = next(e for e in logs if e["event"] == "model loaded")
@@ -160,7 +161,7 @@ def test_int8_activations_stay_near_the_fp32_model(tmp_path, dtype):
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     for quant in quants:
         r = result[quant]
-        # Without AMX, the default is int8 (logged at load) and the switch turns it off.
+        # Without AMX the switch turns int8 on (logged at load) and off.
         assert (r["int8_logged"], r["int8_native"]) == ("int8", "int8"), quant
         assert (r["bf16_logged"], r["bf16_native"]) == ("bf16", "bf16"), quant
         assert (r["int8_kernel"], r["bf16_kernel"]) == _expected_kernels(dtype, quant), quant
@@ -174,25 +175,29 @@ def test_int8_activations_stay_near_the_fp32_model(tmp_path, dtype):
 
 
 @pytest.mark.parametrize(
-    "switch,amx,vnni,want",
+    "switch,amx,vnni,bf16,want",
     [
-        (None, False, True, "int8"),
-        ("auto", False, True, "int8"),
-        ("INT8", False, True, "int8"),
-        ("bf16", False, True, "bf16"),
-        (None, True, True, "bf16"),  # AMX: amx_linear serves the blocks, in bf16
-        ("int8", True, True, "bf16"),
-        (None, False, False, "bf16"),  # no VNNI: the integer kernels do not run
-        ("fp8", False, True, "int8"),  # unknown: a warning, then auto
+        (None, False, True, True, "int8"),  # Zen 4: avx512_linear's few rows
+        ("auto", False, True, True, "int8"),
+        ("INT8", False, True, True, "int8"),
+        ("bf16", False, True, True, "bf16"),
+        (None, True, True, True, "bf16"),  # AMX: amx_linear serves the blocks, in bf16
+        ("int8", True, True, True, "bf16"),
+        (None, False, False, True, "bf16"),  # no VNNI: the integer kernels do not run
+        ("fp8", False, True, True, "int8"),  # unknown: a warning, then auto
+        (None, False, True, False, "bf16"),  # Ice Lake: every gguf_linear call, so opt-in
+        ("auto", False, True, False, "bf16"),
+        ("int8", False, True, False, "int8"),
     ],
 )
-def test_the_default_follows_the_cpu_and_the_switch(monkeypatch, switch, amx, vnni, want):
+def test_the_default_follows_the_cpu_and_the_switch(monkeypatch, switch, amx, vnni, bf16, want):
     if switch is None:
         monkeypatch.delenv(gguf_weights.ACTIVATIONS_SWITCH, raising=False)
     else:
         monkeypatch.setenv(gguf_weights.ACTIVATIONS_SWITCH, switch)
     monkeypatch.setattr(fused, "amx_linear_supported", lambda: amx)
     monkeypatch.setattr(fused, "avx512_int8_supported", lambda: vnni)
+    monkeypatch.setattr(fused, "avx512_linear_supported", lambda: bf16)
     with structlog.testing.capture_logs() as logs:
         assert gguf_weights.block_activations() == want
         assert gguf_weights.apply_block_activations() == want
