@@ -360,10 +360,20 @@ class Scheduler:
             budget -= n
         return budget
 
+    def held_by_swapped(self, req: Request) -> bool:
+        """Whether swapped requests keep waiting `req` from admission: they
+        come back first, unless a preemptive policy ranks `req` above all."""
+        if not self.swapped:
+            return False
+        return not self.policy.preemptive or not all(self.policy.outranks(req, s) for s in self.swapped)
+
     def admission_fits(self, req: Request, cached: list[int] | None = None) -> bool:
-        """Whether _admit_waiting could start waiting `req` now, by memory:
-        its first chunk's blocks (after its prefix-cache hits, `cached`
-        where the caller has looked them up) free beside the watermark."""
+        """Whether _admit_waiting could start waiting `req` now: no swapped
+        request comes first, and by memory, its first chunk's blocks (after
+        its prefix-cache hits, `cached` where the caller has looked them up)
+        free beside the watermark."""
+        if self.held_by_swapped(req):
+            return False
         if cached is None:
             cached = self.blocks.lookup_prefix(req)
         computed = len(cached) * self.blocks.block_size
@@ -384,7 +394,7 @@ class Scheduler:
             if len(self.running) >= self.cfg.max_num_seqs:
                 break
             req = self.waiting[i]
-            if not all(self.policy.outranks(req, s) for s in self.swapped):
+            if self.held_by_swapped(req):
                 break  # swapped requests come back first, unless outranked
             if req.group is not None and self._group_prefilling(req.group):
                 # A sibling (OpenAI n > 1) is computing the shared prompt:

@@ -231,8 +231,9 @@ class FairPolicy(Policy):
             return "", 0, False
         cached = sched.blocks.lookup_prefix(r)
         # Only a prompt that admission could start now: budget held for one
-        # that waits for blocks would leave the running prefills none, while
-        # they hold the blocks it waits for, forever.
+        # that waits for blocks, or behind a swapped request that waits for
+        # them, would leave the running prefills none, while they hold the
+        # blocks it waits for, forever.
         if not sched.admission_fits(r, cached):
             return "", 0, False
         # What the prefix cache holds is not computed again.

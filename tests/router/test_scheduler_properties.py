@@ -140,22 +140,29 @@ _RESERVE_STALLS = [
 ]
 
 
-def _stall_example(case):
-    return example(
-        **case,
-        policy="fair",
-        mode="recompute",
-        block_size=1,
-        extra_blocks=0,
-        num_swap_blocks=0,
-        budget_extra=0,
-        threshold=0,
+# ... and for a waiting prompt that a swapped request kept from admission,
+# while the running prefill held the blocks the swapped one needed.
+_SWAP_STALL = dict(
+    specs=[_spec(3, 5, "a", 0.0), _spec(1, 1, "a", 0.001), _spec(1, 6, "a", 0.002), _spec(12, 1, "b", 0.003)]
+    + [_spec(1, 1, "a", 1e-3 * i) for i in (4, 5, 6)],
+    max_num_seqs=3,
+    prefix=False,
+)
+
+
+def _stall_example(case, **settings):
+    """A fair-share stall case on a pool of exactly the largest request's
+    blocks (recompute, no swap space, unless `settings` say otherwise)."""
+    base = dict(
+        policy="fair", mode="recompute", block_size=1, extra_blocks=0, num_swap_blocks=0, budget_extra=0, threshold=0
     )
+    return example(**case, **{**base, **settings})
 
 
 @SETTINGS
 @_stall_example(_RESERVE_STALLS[0])
 @_stall_example(_RESERVE_STALLS[1])
+@_stall_example(_SWAP_STALL, mode="swap", num_swap_blocks=3, threshold=1)
 @given(
     specs=workloads(),
     policy=st.sampled_from(POLICIES),
