@@ -30,6 +30,10 @@ PLAN_ORDER_TIMEOUT_S = 30.0
 class _Dropped(Exception):
     """A plan that will not run: its stream's state was reset or an earlier plan failed."""
 
+    def __init__(self, message: str, reset: bool = False) -> None:
+        super().__init__(message)
+        self.reset = reset
+
 
 class _Stopping(Exception):
     """A job still queued when the main thread's loop ended."""
@@ -179,10 +183,13 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         arrives, so the plan the router sent ahead starts the moment the one
         before it ends, not after its result has been sent and the next
         message read (a hand-over that would leave the model idle). A plan
-        that fails ends the stream (INVALID_ARGUMENT for a PlanError,
-        INTERNAL for a failure of the executor's own) and the plans queued
-        behind it do not run; a Reset from another call ends it (ABORTED)
-        before its next plan runs."""
+        that fails is answered with its status in the result
+        (INVALID_ARGUMENT for a PlanError, INTERNAL for a failure of the
+        executor's own) and the plans behind it do not run (ABORTED each);
+        the call ends with the first failure's status once the router has
+        ended its side (it cancels on the first failed result), so no write
+        of the router's races the end of the call. A Reset from another call
+        ends it (ABORTED) before its next plan runs."""
         with self._order:
             epoch = self._epoch
         queued: queue.SimpleQueue = queue.SimpleQueue()
@@ -203,22 +210,36 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 queued.put(None)
 
         threading.Thread(target=read_plans, name="cbserve-step-stream", daemon=True).start()
+        first_failure: tuple[grpc.StatusCode, str] | None = None
         while (item := queued.get()) is not None:
             request, fut = item
             try:
                 if fut is None:
-                    raise _Dropped(f"plan {request.step_id} dropped: state was reset")
+                    raise _Dropped(f"plan {request.step_id} dropped: state was reset", reset=True)
                 out = fut.result()
             except _Dropped as exc:
-                context.abort(grpc.StatusCode.ABORTED, str(exc))
+                if exc.reset:
+                    context.abort(grpc.StatusCode.ABORTED, str(exc))
+                yield self._failed_result(request, (grpc.StatusCode.ABORTED, str(exc)))
+                continue
             except Exception as exc:  # noqa: BLE001 - answered by type
-                self._abort_failed_step(request, exc, context)
+                failure = self._step_failure(request, exc)
+                first_failure = first_failure or failure
+                yield self._failed_result(request, failure)
+                continue
             yield self._result(request, out)
+        if first_failure is not None:
+            context.abort(*first_failure)
+
+    @staticmethod
+    def _failed_result(request: pb.Plan, failure: tuple[grpc.StatusCode, str]) -> pb.StepResult:
+        code, details = failure
+        return pb.StepResult(step_id=request.step_id, error_code=code.value[0], error=details)
 
     def _stream_step(self, request: pb.Plan, epoch: int, failed: threading.Event):
         """On the main thread, in stream order."""
         if self._epoch != epoch:
-            raise _Dropped(f"plan {request.step_id} dropped: state was reset")
+            raise _Dropped(f"plan {request.step_id} dropped: state was reset", reset=True)
         if failed.is_set():
             raise _Dropped(f"plan {request.step_id} dropped: an earlier plan of the stream failed")
         try:
@@ -227,28 +248,23 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             failed.set()
             raise
 
-    def _rejected(self, request: pb.Plan, exc: Exception, context) -> None:
-        _LOGGER.warning("rejected plan", step_id=request.step_id, error=str(exc))
-        self.metrics.rejected_plans.inc()
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
     def _abort_failed_step(self, request: pb.Plan, exc: Exception, context) -> None:
-        """Ends the call for a plan that did not run: INVALID_ARGUMENT for a
-        PlanError, UNAVAILABLE while stopping, INTERNAL for anything else."""
-        if isinstance(exc, PlanError):
-            self._rejected(request, exc, context)
-        elif isinstance(exc, _Stopping):
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        else:
-            self._failed(request, exc, context)
+        """Ends the call for a plan that did not run with its status."""
+        context.abort(*self._step_failure(request, exc))
 
-    def _failed(self, request: pb.Plan, exc: Exception, context) -> None:
-        """A step failed for a reason of the executor's own (a kernel bug, out
-        of memory): INTERNAL, with the traceback in the log."""
+    def _step_failure(self, request: pb.Plan, exc: Exception) -> tuple[grpc.StatusCode, str]:
+        """The status of a plan that did not run, logged and counted:
+        INVALID_ARGUMENT for a PlanError (a rejected plan), UNAVAILABLE while
+        stopping, INTERNAL for a failure of the executor's own (a kernel bug,
+        out of memory; the traceback goes to the log)."""
+        if isinstance(exc, PlanError):
+            _LOGGER.warning("rejected plan", step_id=request.step_id, error=str(exc))
+            self.metrics.rejected_plans.inc()
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        if isinstance(exc, _Stopping):
+            return grpc.StatusCode.UNAVAILABLE, str(exc)
         _LOGGER.error("step failed", step_id=request.step_id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-        context.abort(
-            grpc.StatusCode.INTERNAL, f"step {request.step_id} failed in the executor: {type(exc).__name__}: {exc}"
-        )
+        return grpc.StatusCode.INTERNAL, f"step {request.step_id} failed in the executor: {type(exc).__name__}: {exc}"
 
     def _advance(self, request: pb.Plan) -> None:
         """`request` is the plan now running: the next in turn is its successor (holds `_order`)."""

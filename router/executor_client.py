@@ -173,6 +173,9 @@ def _step_error(exc: grpc.aio.AioRpcError) -> Exception:
     return _status_error(exc.code(), exc.details())
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _status_error(code: grpc.StatusCode, details: str) -> Exception:
     """What a plan fails with when its call ended with this status."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -207,9 +210,10 @@ class _StepStream:
 
     async def _why_ended(self, exc: Exception) -> Exception:
         """What the plans in flight fail with when a write finds the call
-        over: its status, as the reader would report it (a plan the executor
-        rejected ends the stream with INVALID_ARGUMENT: that is a PlanRejected
-        for the rejected plan, not an executor that went away)."""
+        over: its status, as the reader would report it (INVALID_ARGUMENT is
+        a PlanRejected, not an executor that went away). The executor
+        answers a rejected plan in the stream and ends the call only after
+        this side has, so this is for calls that end otherwise."""
         try:
             code = await asyncio.wait_for(self.call.code(), 1.0)
             details = await self.call.details()
@@ -230,6 +234,13 @@ class _StepStream:
                 step_id, fut = self._pending[0]
                 if result.step_id != step_id:
                     self.fail(ExecutorUnavailable(f"Step failed: result {result.step_id} for plan {step_id}"))
+                    return
+                if result.error_code:
+                    # The plan did not run: the stream is over for every plan
+                    # in flight (the executor runs none behind it), and
+                    # cancelling ends the call before any other write.
+                    code = _STATUS_CODES.get(result.error_code, grpc.StatusCode.UNKNOWN)
+                    self.fail(_status_error(code, result.error))
                     return
                 self._pending.popleft()
                 if not fut.done():

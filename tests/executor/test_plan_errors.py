@@ -54,6 +54,23 @@ def _rejected(service) -> float:
     return service.metrics.rejected_plans._value.get()
 
 
+def _call(stub, plan: pb.Plan, stream: bool) -> list[pb.StepResult]:
+    """The plan on Step, or alone on a StepStream: the stream answers a plan
+    that fails with its status in the result, then ends with that status
+    (raised here) once this side has ended."""
+    if not stream:
+        return [stub.Step(plan, timeout=30)]
+    got: list[pb.StepResult] = []
+    try:
+        for r in stub.StepStream(iter([plan]), timeout=30):
+            got.append(r)
+    except grpc.RpcError as exc:
+        assert [(r.step_id, r.error_code) for r in got] == [(plan.step_id, exc.code().value[0])]
+        assert got[0].error == exc.details() and not got[0].seq_ids
+        raise
+    return got
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_plan_error_is_invalid_argument_and_counted(served, stream):
     service, stub = served
@@ -61,7 +78,7 @@ def test_a_plan_error_is_invalid_argument_and_counted(served, stream):
     before = _rejected(service)
     bad = pb.Plan(step_id=1, seqs=[pb.ScheduledSeq(seq_id=42, num_tokens=1)])  # never sent as new
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.StepStream(iter([bad]), timeout=30)) if stream else stub.Step(bad, timeout=30)
+        _call(stub, bad, stream)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sequence 42 is unknown" in err.value.details()
     assert _rejected(service) == before + 1
@@ -78,7 +95,7 @@ def test_a_failure_inside_the_step_is_internal_not_a_rejected_plan(served, monke
 
     monkeypatch.setattr(service.runner, "_run_model", kernel_bug)
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.StepStream(iter([_prefill(1)]), timeout=30)) if stream else stub.Step(_prefill(1), timeout=30)
+        _call(stub, _prefill(1), stream)
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "RuntimeError: simulated kernel failure" in err.value.details()
     assert _rejected(service) == before

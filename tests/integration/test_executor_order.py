@@ -152,16 +152,18 @@ def test_step_stream_answers_each_plan_in_order_as_step_would(executor_stub):
     assert all(r.forward_seconds > 0 for r in streamed)
 
 
-def test_step_stream_ends_invalid_argument_on_a_rejected_plan(executor_stub):
+def test_step_stream_answers_a_rejected_plan_then_ends_invalid_argument(executor_stub):
     stub = executor_stub
     stub.Reset(pb.ResetRequest(), timeout=10)
     plans = _plans(1)[:1] + [pb.Plan(step_id=2, seqs=[pb.ScheduledSeq(seq_id=99, num_tokens=1)])]
     got = []
     with pytest.raises(grpc.RpcError) as err:
         for r in stub.StepStream(iter(plans), timeout=60):
-            got.append(r.step_id)
-    assert got == [1]
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "99" in err.value.details()
+            got.append((r.step_id, r.error_code, r.error))
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert [g[:2] for g in got] == [(1, 0), (2, invalid.value[0])] and "99" in got[1][2]
+    # The call ends with the same status once this side has ended.
+    assert err.value.code() == invalid and err.value.details() == got[1][2]
 
 
 def test_reset_ends_an_open_step_stream_before_its_next_plan(executor_stub):
@@ -277,11 +279,12 @@ def test_plans_queued_behind_a_rejected_one_on_the_stream_do_not_run(executor_st
     got = []
     with pytest.raises(grpc.RpcError) as err:
         for r in stub.StepStream(iter(plans), timeout=60):
-            got.append(r.step_id)
-    assert got == [1] and err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    # Sequence 3 was never introduced: plan 3 did not run. The probe is step 3:
-    # in turn whether the reader had taken plan 3 off the stream before the
-    # failure ended it (next in turn: 4) or not (next in turn: 3).
+            got.append((r.step_id, r.error_code))
+    codes = grpc.StatusCode
+    assert got == [(1, 0), (2, codes.INVALID_ARGUMENT.value[0]), (3, codes.ABORTED.value[0])]
+    assert err.value.code() == codes.INVALID_ARGUMENT
+    # Sequence 3 was never introduced: plan 3 did not run. The probe is step 3
+    # (the stream took plan 3 off the wire: next in turn is 4).
     with pytest.raises(grpc.RpcError) as unknown:
         stub.Step(pb.Plan(step_id=3, seqs=[pb.ScheduledSeq(seq_id=3, num_tokens=1)]), timeout=30)
     assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "3" in unknown.value.details()

@@ -181,7 +181,7 @@ class LoadLoraResponse(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "step_seconds", "top_counts", "top_token_ids", "top_logprobs", "failed_seq_ids", "failed_reasons", "prompt_logprobs", "token_counts")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "step_seconds", "top_counts", "top_token_ids", "top_logprobs", "failed_seq_ids", "failed_reasons", "prompt_logprobs", "token_counts", "error_code", "error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class StepResult(_message.Message):
     FAILED_REASONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -208,7 +210,9 @@ class StepResult(_message.Message):
     failed_reasons: _containers.RepeatedScalarFieldContainer[str]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failed_reasons: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., token_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    error_code: int
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failed_reasons: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., token_counts: _Optional[_Iterable[int]] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "first", "logprobs", "ranks", "top_token_ids", "top_logprobs")
