@@ -106,15 +106,16 @@ def test_prepacking_replaces_every_linear_and_logs_it(monkeypatch):
 @needs_avx2_f32
 def test_the_avx2_kernel_at_every_edge_of_its_panels():
     """Feature counts around the 16-wide panels, K of 1 and odd, rows around
-    the 6-row register block, and no rows at all: F.linear's values (in fp64)
-    within fp32 rounding, and its arguments checked."""
+    the 6-row register block (split into near-equal blocks), and no rows at
+    all: F.linear's values (in fp64) within fp32 rounding, and its arguments
+    checked."""
     fused = packed_linear._fused()
     torch.manual_seed(1)
     for n, k in ((1, 1), (15, 7), (16, 33), (17, 64), (200, 96), (49, 1536)):
         w, b = torch.randn(n, k), torch.randn(n)
         packed = fused.avx2_f32_pack_weight(w)
         assert packed.shape == ((n + 15) // 16, k, 16)
-        for rows in (0, 1, 5, 6, 7, 12, 13, 64):
+        for rows in (0, 1, 5, 6, 7, 8, 12, 13, 16, 64):
             x = torch.randn(rows, k)
             for bias in (None, b):
                 want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())

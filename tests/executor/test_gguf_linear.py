@@ -52,7 +52,7 @@ def test_expansion_is_the_files_values(kind):
 @pytest.mark.skipif(not AVX2, reason="compares with avx2_f32_linear: needs an AVX2 CPU")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", [1024, 1040])
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 8, 13, 16, 64])
 def test_products_equal_avx2_f32_linear_over_the_expanded_weights(kind, n, m):
     bw, packed = _case(kind, n, seed=n + m)
     w = bw.dequantize()

@@ -110,18 +110,24 @@ CB_AVX2 void micro(const Args<O>& a, int64_t m0, const W* w, int64_t n0) {
   }
 }
 
-// Every row of x against one panel, kMR rows at a time.
+// Every row of x against one panel, in ceil(M / kMR) register blocks of
+// near-equal size (8 rows: 4 + 4, not 6 + 2): a block of R rows runs 2R
+// independent FMA chains, and below 4 rows their latency, not the FMA
+// ports, sets the pace over the whole K.
 template <typename W, typename O>
 CB_AVX2 void rows(const Args<O>& a, const W* w, int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + kMR <= a.M; m0 += kMR) micro<kMR>(a, m0, w, n0);
-  switch (a.M - m0) {
-    case 1: micro<1>(a, m0, w, n0); break;
-    case 2: micro<2>(a, m0, w, n0); break;
-    case 3: micro<3>(a, m0, w, n0); break;
-    case 4: micro<4>(a, m0, w, n0); break;
-    case 5: micro<5>(a, m0, w, n0); break;
-    default: break;
+  const int64_t blocks = (a.M + kMR - 1) / kMR, base = a.M / blocks, wide = a.M % blocks;
+  for (int64_t i = 0, m0 = 0; i < blocks; ++i) {
+    const int64_t r = base + (i < wide ? 1 : 0);
+    switch (r) {
+      case 1: micro<1>(a, m0, w, n0); break;
+      case 2: micro<2>(a, m0, w, n0); break;
+      case 3: micro<3>(a, m0, w, n0); break;
+      case 4: micro<4>(a, m0, w, n0); break;
+      case 5: micro<5>(a, m0, w, n0); break;
+      default: micro<kMR>(a, m0, w, n0); break;
+    }
+    m0 += r;
   }
 }
 

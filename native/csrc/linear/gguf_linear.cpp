@@ -333,19 +333,26 @@ CB_AVX2_F16C void avx2_rows(const float* x, int64_t K, int64_t k0, int64_t kn, c
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * kTileN, lo[r]), _mm256_storeu_ps(acc + r * kTileN + 8, hi[r]);
 }
 
+// The rows go in ceil(M / kMR) register blocks of near-equal size (8 rows:
+// 4 + 4, not 6 + 2): a block of R rows has 2R independent FMA chains, and
+// below 4 rows their latency, not the FMA ports, sets the pace. Each
+// output's sum is the same whichever block holds its row.
 CB_AVX2_F16C void avx2_accumulate(const float* x, int64_t M, int64_t K, int64_t k0, int64_t kn, const float* w,
                                   float* acc) {
-  int64_t m0 = 0;
-  for (; m0 + kMR <= M; m0 += kMR) avx2_rows<kMR>(x + m0 * K, K, k0, kn, w, acc + m0 * kTileN);
-  const float* xr = x + m0 * K;
-  float* ar = acc + m0 * kTileN;
-  switch (M - m0) {
-    case 1: avx2_rows<1>(xr, K, k0, kn, w, ar); break;
-    case 2: avx2_rows<2>(xr, K, k0, kn, w, ar); break;
-    case 3: avx2_rows<3>(xr, K, k0, kn, w, ar); break;
-    case 4: avx2_rows<4>(xr, K, k0, kn, w, ar); break;
-    case 5: avx2_rows<5>(xr, K, k0, kn, w, ar); break;
-    default: break;
+  const int64_t blocks = (M + kMR - 1) / kMR, base = M / blocks, wide = M % blocks;
+  for (int64_t i = 0, m0 = 0; i < blocks; ++i) {
+    const int64_t rows = base + (i < wide ? 1 : 0);
+    const float* xr = x + m0 * K;
+    float* ar = acc + m0 * kTileN;
+    switch (rows) {
+      case 1: avx2_rows<1>(xr, K, k0, kn, w, ar); break;
+      case 2: avx2_rows<2>(xr, K, k0, kn, w, ar); break;
+      case 3: avx2_rows<3>(xr, K, k0, kn, w, ar); break;
+      case 4: avx2_rows<4>(xr, K, k0, kn, w, ar); break;
+      case 5: avx2_rows<5>(xr, K, k0, kn, w, ar); break;
+      default: avx2_rows<kMR>(xr, K, k0, kn, w, ar); break;
+    }
+    m0 += rows;
   }
 }
 #endif
