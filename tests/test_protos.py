@@ -41,7 +41,7 @@ def test_committed_stubs_match_fresh_protoc(tmp_path):
         assert _unstamped(fresh) == _unstamped(committed), f"{name} is stale: run `make protos`"
 
 
-_STAMP = re.compile(r"^GRPC_GENERATED_VERSION = '[0-9.]+'$", re.MULTILINE)
+_STAMP = re.compile(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", re.MULTILINE)
 
 
 def _unstamped(path) -> str:
@@ -53,7 +53,7 @@ def test_the_project_never_installs_a_grpcio_the_stubs_refuse():
     """The stubs refuse a grpcio older than their stamp: pyproject's floor
     must be at least that."""
     with open(os.path.join(REPO, "protos", "cbserve", "v1", "generation_pb2_grpc.py"), encoding="utf-8") as fh:
-        stamp = re.search(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", fh.read(), re.MULTILINE).group(1)
+        stamp = _STAMP.search(fh.read()).group(1)
     with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as fh:
         floor = re.search(r'"grpcio>=([0-9.]+)"', fh.read()).group(1)
     assert tuple(map(int, floor.split("."))) >= tuple(map(int, stamp.split("."))), (floor, stamp)
