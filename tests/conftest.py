@@ -41,6 +41,8 @@ class Server:
     config_path: str
     credentials: grpc.ChannelCredentials | None = None
     http_port: int = 0
+    # The session's executor this router is attached to (None: serve's own child).
+    shared: "SharedExecutor | None" = None
 
     @property
     def http_url(self) -> str:
@@ -69,6 +71,9 @@ class Server:
 
     def executor_pid(self) -> int:
         import psutil
+
+        if self.shared is not None:  # attached for this test alone: it may stop it (a killed one is replaced)
+            return self.shared.server.proc.pid
 
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             if "executor" in " ".join(child.cmdline()):
@@ -138,6 +143,80 @@ def wait_serving(
     raise TimeoutError(f"{address} not SERVING after {timeout}s")
 
 
+_DEFAULT_CACHE = {"num_blocks": 512, "block_size": 16}
+# Config sections that change the executor's arguments (router/supervisor.py).
+_EXECUTOR_SECTIONS = {"lora", "models"}
+# The executor and cache sections' keys that only the router reads (the
+# executor reads the rest of `cache:` to size its pools).
+_ROUTER_EXECUTOR_KEYS = {"step_timeout_s", "step_stream", "reconnect_backoff_s", "reconnect_backoff_max_s"}
+_ROUTER_CACHE_KEYS = {"watermark", "enable_prefix_caching"}
+
+
+@dataclass
+class SharedExecutor:
+    """A tiny fp32 executor started on its own (`python -m executor`), kept
+    for the session; one router at a time is attached to it."""
+
+    server: Server  # its process, log and metrics (port 0: it serves a unix socket)
+    address: str
+    cache: dict  # the cache section it was started with
+    holder: Server | None = None
+
+    def free(self) -> bool:
+        return self.server.proc.poll() is None and (self.holder is None or self.holder.proc.poll() is not None)
+
+
+_SHARED: list[SharedExecutor] = []
+
+
+def _shared_cache(model, config, cache, dtype, backend, extra_args, env, device) -> dict | None:
+    """The cache section a shared executor for this server is started with,
+    or None where the server needs its own: anything but the tiny model in
+    fp32 on the native backend, flags or environment of its own, config
+    that changes the executor's arguments, or a pool sized from the memory
+    available at its start."""
+    if (model, dtype, backend, device) != ("tiny", "float32", "native", "cpu") or extra_args or env:
+        return None
+    config = config or {}
+    if _EXECUTOR_SECTIONS & config.keys() or not set(config.get("executor", {})) <= _ROUTER_EXECUTOR_KEYS:
+        return None
+    if cache.get("memory_fraction"):
+        return None
+    return {k: v for k, v in cache.items() if k not in _ROUTER_CACHE_KEYS}
+
+
+def _free_shared_executor(cache: dict) -> SharedExecutor:
+    """A shared executor with this cache section that no live router is
+    attached to; a new one (the cost of one serve start) when all are taken."""
+    for ex in _SHARED:
+        if ex.cache == cache and ex.free():
+            return ex
+    where = tempfile.mkdtemp(prefix="cbserve-shared-")
+    address = f"unix://{where}/executor.sock"
+    cfg_path, log_path = os.path.join(where, "executor.yaml"), os.path.join(where, "executor.log")
+    with open(cfg_path, "w") as fh:
+        yaml.safe_dump({"cache": cache}, fh)
+    cmd = [sys.executable, "-m", "executor", "--model", "tiny", "--dtype", "float32", "--device", "cpu"]
+    metrics_port = free_port()
+    cmd += ["--attention-backend", "native", "--listen", address, "--config", cfg_path]
+    cmd += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
+    with open(log_path, "w") as log:  # CBSERVE_PARENT_PID: it never outlives pytest (executor/lifeline.py)
+        env = {**os.environ, "CBSERVE_PARENT_PID": str(os.getpid())}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    ex = SharedExecutor(Server(proc, 0, metrics_port, log_path, cfg_path), address, cache)
+    _SERVERS.append(ex.server)  # its log is checked for tracebacks like a server's
+    _SHARED.append(ex)
+    return ex
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_executors():
+    """Stops the session's shared executors after every other fixture."""
+    yield _SHARED
+    for ex in _SHARED:
+        ex.server.stop(10)
+
+
 def start_server(
     model: str = "tiny",
     config: dict | None = None,
@@ -148,36 +227,47 @@ def start_server(
     env: dict | None = None,
     credentials: grpc.ChannelCredentials | None = None,
     device: str | None = None,
+    share_executor: bool = True,
 ) -> Server:
     """A `cbserve serve` process, SERVING. On the CPU unless `device` or the
     environment's CBSERVE_TEST_DEVICE says otherwise, also where a GPU exists
     (`--device auto` would take it); CBSERVE_TEST_DEVICE=cuda runs the
-    integration suite's servers on the GPU."""
+    integration suite's servers on the GPU.
+
+    Where the server differs from the tiny fp32 default only in what the
+    router reads and the pool's size (_shared_cache), it is `cbserve router`
+    against one of the session's shared executors instead (the split deployment: an
+    executor started on its own, which resets its state for each router
+    that connects). That start takes ~2 s instead of ~8: most of a serve's
+    start is the executor importing torch and transformers. A test that
+    needs the executor as serve's child (its pid, its log lines, serve's
+    restarts) passes share_executor=False."""
     device = device or os.environ.get("CBSERVE_TEST_DEVICE", "cpu")
-    cfg = {"cache": {"num_blocks": 512, "block_size": 16}, "logging": {"format": "json"}}
+    cfg = {"cache": dict(_DEFAULT_CACHE), "logging": {"format": "json"}}
     for key, section in (config or {}).items():
         if isinstance(section, list):  # models:
             cfg[key] = section
         else:
             cfg.setdefault(key, {}).update(section)
+    shared = None
+    cache = _shared_cache(model, config, cfg["cache"], dtype, backend, extra_args, env, device)
+    if share_executor and cache is not None:
+        shared = _free_shared_executor(cache)
+        cfg.setdefault("executor", {})["address"] = shared.address
     fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="cbserve-test-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
     port, mport, hport = free_port(), free_port(), free_port()
     log_fd, log_path = tempfile.mkstemp(suffix=".log", prefix="cbserve-test-")
+    if shared is None:
+        what = ["serve", "--model", model, "--dtype", dtype, "--device", device, "--attention-backend", backend]
+    else:
+        what = ["router", "--model", model]
     cmd = [
         sys.executable,
         "-m",
         "router.cli",
-        "serve",
-        "--model",
-        model,
-        "--dtype",
-        dtype,
-        "--device",
-        device,
-        "--attention-backend",
-        backend,
+        *what,
         "--config",
         cfg_path,
         "--port",
@@ -192,7 +282,9 @@ def start_server(
     ]
     proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
     os.close(log_fd)
-    server = Server(proc, port, mport, log_path, cfg_path, credentials, hport)
+    server = Server(proc, port, mport, log_path, cfg_path, credentials, hport, shared)
+    if shared is not None:
+        shared.holder = server
     _SERVERS.append(server)
     # The whole server serves once one model does; with `models:` every
     # model's executor must be up before a test may use it.
@@ -202,7 +294,8 @@ def start_server(
             wait_serving(server.address, timeout, proc, credentials, service)
     except Exception:
         server.stop(5)
-        raise RuntimeError(f"server did not start:\n{server.log()[-4000:]}")
+        more = f"\nits shared executor's log:\n{shared.server.log()[-2000:]}" if shared is not None else ""
+        raise RuntimeError(f"server did not start:\n{server.log()[-4000:]}{more}")
     return server
 
 
@@ -238,8 +331,10 @@ def native_block_activations_reset():
 
 @pytest.fixture(scope="session")
 def tiny_server():
-    """One shared tiny-model server (fp32, native attention) for API tests."""
-    server = start_server("tiny", config={"scheduler": {"max_num_batched_tokens": 256}})
+    """One shared tiny-model server (fp32, native attention) for API tests:
+    a `cbserve serve` with its own executor, whose socket and process the
+    tests may inspect."""
+    server = start_server("tiny", config={"scheduler": {"max_num_batched_tokens": 256}}, share_executor=False)
     yield server
     server.stop()
 

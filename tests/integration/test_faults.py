@@ -69,8 +69,9 @@ def _assert_recovered(server, router_pid):
 @pytest.fixture(scope="module")
 def recovering():
     """One server whose executor the next three tests kill or hang: each
-    leaves it recovered (SERVING on a new executor, idle) for the next."""
-    server = start_server("tiny", config={"executor": {"step_timeout_s": 2.0}})
+    leaves it recovered (SERVING on a new executor, idle) for the next: serve's
+    own executor, which serve restarts."""
+    server = start_server("tiny", config={"executor": {"step_timeout_s": 2.0}}, share_executor=False)
     yield server
     server.stop()
 
@@ -134,7 +135,7 @@ def test_an_executor_killed_while_the_router_is_idle_is_noticed_without_a_reques
 
 
 def test_sigterm_drains_in_flight_then_exits_zero():
-    server = start_server("tiny", config={"server": {"drain_timeout_s": 20.0}})
+    server = start_server("tiny", config={"server": {"drain_timeout_s": 20.0}}, share_executor=False)  # serve's child
     exe = server.executor_pid()
     results, threads = _start_streams(server, 3, max_new=300)
     server.proc.send_signal(signal.SIGTERM)

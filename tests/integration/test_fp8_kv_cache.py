@@ -40,6 +40,7 @@ def test_fp8_pool_doubles_the_blocks_and_survives_swap_preemption():
             },
             "scheduler": {"preemption_mode": "swap", "max_num_batched_tokens": 256},
         },
+        share_executor=False,  # the executor's own log lines are read below
     )
     try:
         with server.channel() as ch:

@@ -45,6 +45,7 @@ def load():
             "cache": {"num_blocks": 300, "block_size": 8},
             "logging": {"level": "debug"},
         },
+        share_executor=False,  # both processes' logs are read
     )
     seen = {"tokens": {}, "cancelled_tokens": {}, "invalid": [], "errors": []}
     try:

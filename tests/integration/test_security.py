@@ -315,7 +315,8 @@ def test_tenants_never_share_prefix_cache_blocks_and_are_counted_apart(tmp_path)
         model = httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer tok-b"}).json()["data"][0]["id"]
         r = httpx.post(
             f"{base}/v1/completions",
-            json={"model": model, "prompt": prompt, "max_tokens": 2, "user": "team-a"},
+            # ignore_eos: sampled at temperature 1, the counts below need both tokens
+            json={"model": model, "prompt": prompt, "max_tokens": 2, "ignore_eos": True, "user": "team-a"},
             headers={"authorization": "Bearer tok-b", "x-gateway-inference-fairness-id": "team-a"},
         )
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
