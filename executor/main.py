@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import gc
@@ -13,73 +12,16 @@ import sys
 import structlog
 import torch
 
-from common.config import ConfigError, load_cache_config
+from common.config import ConfigError
 from common.logging_setup import configure_logging
 from executor import lifeline, model_loader, model_source
+from executor.args import check, parse_args, refused
 from executor.kv_cache import CacheShape, KVCacheTooLarge, available_bytes, cache_dtype
 from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
 from executor.server import ExecutorService, build_server, wait_forever
 
 _LOGGER = structlog.get_logger(__name__)
-USAGE_ERROR = 2  # exit status for arguments or config it cannot serve with (argparse's too): no restart
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cbserve executor", description=__doc__)
-    p.add_argument(
-        "--model",
-        default=model_source.DEFAULT_MODEL,
-        help="'smollm2' (embedded default), 'tiny[:{json overrides}]', or a local HF checkpoint dir",
-    )
-    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
-    p.add_argument(
-        "--quantization",
-        default="none",
-        help="none | int8: the projections as int8 weights, one scale per output channel (CPU, bf16)",
-    )
-    p.add_argument(
-        "--device", default="auto", help="auto (the first CUDA GPU if torch sees one, else cpu) | cpu | cuda | cuda:N"
-    )
-    p.add_argument("--listen", default="unix:///tmp/cbserve-executor.sock", help="unix:///path or host:port")
-    p.add_argument("--config", default=None, help="the router's YAML file: its cache section sizes the KV pool")
-    p.add_argument("--attention-backend", default="native", choices=["native", "torch"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
-    p.add_argument(
-        "--max-model-len", type=int, default=0, help="longest sequence served, prompt + output (0 = the model's)"
-    )
-    p.add_argument(
-        "--cuda-graph-max-batch",
-        type=int,
-        default=256,
-        help="on a CUDA GPU: capture decode steps of up to this many sequences as CUDA graphs (0 = eager)",
-    )
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of this process (0 = off)")
-    p.add_argument("--max-loras", type=int, default=0, help="LoRA adapter slots a step can use (0 = LoRA off)")
-    p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank accepted")
-    p.add_argument("--max-cpu-loras", type=int, default=0, help="adapters kept read in memory (0 = max-loras)")
-    p.add_argument(
-        "--lora-modules",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="NAME=PATH",
-        help="adapters read and checked at start (a bad one: exit 2); the router registers them",
-    )
-    p.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address the metrics port binds (0.0.0.0 to let a scraper reach it)"
-    )
-    p.add_argument("--tls-cert", default="", help="TLS certificate for a TCP listener")
-    p.add_argument("--tls-key", default="")
-    p.add_argument("--tls-client-ca", default="", help="accept only clients with a certificate this CA signed (mTLS)")
-    p.add_argument("--allow-insecure-tcp", action="store_true", help="listen on TCP without TLS (not recommended)")
-    p.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=120.0,
-        help="health NOT_SERVING while a step runs longer than this (s), so a liveness probe restarts it; 0 = off",
-    )
-    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,11 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     lifeline.hold()  # started by `cbserve serve`: never outlive it (a no-op if __main__ did)
     try:
-        cache = load_cache_config(args.config)
-    except ConfigError as exc:
-        return _refused(exc)
-    if args.max_loras < 0 or args.max_lora_rank < 1 or args.max_cpu_loras < 0:
-        return _refused(ConfigError("--max-loras and --max-cpu-loras must be >= 0, --max-lora-rank >= 1"))
+        cache = check(args)  # what the arguments alone refuse (executor/__main__.py checked them before torch)
+    except (ConfigError, ValueError) as exc:
+        return refused(exc)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -104,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         # Under --dtype auto only the GGUF types with kernels: an explicit --dtype expands any.
         model = model_loader.load_model(source, dtype, device, args.quantization, check_types=args.dtype == "auto")
     except (ValueError, FileNotFoundError) as exc:  # ModelNotServable is a ValueError
-        return _refused(exc)
+        return refused(exc)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cache.block_size, kv_dtype)
@@ -112,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     if cache.memory_fraction and not cache.num_blocks:
         free = available_bytes(str(device))
         if free is None:
-            return _refused(ConfigError("cache.memory_fraction: the available memory cannot be read here"))
+            return refused(ConfigError("cache.memory_fraction: the available memory cannot be read here"))
         kv_bytes = int(free * cache.memory_fraction)
         if device.type == "cpu":  # the swap pool comes out of the same host memory
             kv_bytes -= cache.swap_space_bytes
         _LOGGER.info("KV pool sized from available memory", available_mb=free >> 20, fraction=cache.memory_fraction)
     num_blocks = cache.num_blocks or shape.blocks_for(kv_bytes)
     if num_blocks < 1:
-        return _refused(ConfigError("cache: the KV pool would hold no block; give it more memory"))
+        return refused(ConfigError("cache: the KV pool would hold no block; give it more memory"))
     num_swap = shape.blocks_for(cache.swap_space_bytes)
     try:
         runner = ModelRunner(
@@ -136,32 +76,32 @@ def main(argv: list[str] | None = None) -> int:
             max_cpu_loras=max(0, args.max_cpu_loras),
         )
     except (KVCacheTooLarge, ValueError) as exc:  # ValueError: a --max-model-len beyond the model's
-        return _refused(exc)
+        return refused(exc)
     except Exception as exc:  # noqa: BLE001  (a model whose first forward pieces fail cannot be served either)
-        return _refused(model_loader.ModelNotServable(f"{type(model).__name__}: cannot be served: {exc!r}"))
+        return refused(model_loader.ModelNotServable(f"{type(model).__name__}: cannot be served: {exc!r}"))
     if args.lora_modules and runner.lora is None:
-        return _refused(ConfigError("--lora-modules needs --max-loras > 0"))
+        return refused(ConfigError("--lora-modules needs --max-loras > 0"))
     for spec in args.lora_modules:
         name, _, path = spec.partition("=")
         try:
             runner.lora.load(name, path)
         except (ValueError, OSError) as exc:  # LoraError is a ValueError
-            return _refused(ConfigError(f"lora adapter {name!r}: {exc}"))
+            return refused(ConfigError(f"lora adapter {name!r}: {exc}"))
     eos_ids, sampling_defaults = model_loader.generation_facts(model)
     metrics = ExecutorMetrics()
     try:
         metrics.serve(args.metrics_port, args.metrics_host)
     except OSError as exc:
-        return _refused(OSError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}"))
+        return refused(OSError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}"))
     service = ExecutorService(runner, source.name, eos_ids, metrics, sampling_defaults)
     try:
         server, health = build_server(
             service, args.listen, args.tls_cert, args.tls_key, args.tls_client_ca, args.allow_insecure_tcp
         )
     except ValueError as exc:
-        return _refused(exc)
+        return refused(exc)
     except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-        return _refused(OSError(f"cannot listen on {args.listen}: {exc}"))
+        return refused(OSError(f"cannot listen on {args.listen}: {exc}"))
     # What exists now lives as long as the process (modules, parameters,
     # config tables, imported libraries): moved out of the cyclic GC's reach,
     # so a full collection never stalls a step walking them
@@ -236,12 +176,6 @@ def _trim_heap() -> int | None:
             return int(fh.read().split("VmRSS:")[1].split()[0]) // 1024
     except (OSError, IndexError, ValueError):
         return None
-
-
-def _refused(exc: Exception) -> int:
-    """Logs why the arguments or config cannot be served; the exit status."""
-    _LOGGER.error("executor cannot start", error=str(exc))
-    return USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from common.model_cache import EXPORT_STAMP, converted_complete, default_converted_dir, gguf_converted_dir
+from executor.args import device_refusal
 from executor.cpu.isa import cpu_has_native_bf16
 from executor.model_source import GGUF_FILE as GGUF_FILE_DEFAULT
 from executor.model_source import ModelSource, tiny_config_dict
@@ -22,16 +23,14 @@ _LOGGER = structlog.get_logger(__name__)
 def pick_device(name: str) -> torch.device:
     """'auto' is the first CUDA GPU when torch sees one, else the CPU; 'cpu',
     'cuda' or 'cuda:N' ask for that device and fail clearly without it."""
+    refusal = device_refusal(name)
+    if refusal is not None:
+        raise refusal
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"device {name!r} is not auto|cpu|cuda|cuda:N") from exc
+    device = torch.device(name)
     if device.type == "cpu":
         return device
-    if device.type != "cuda":
-        raise ValueError(f"device {name!r} is not auto|cpu|cuda|cuda:N")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = 0 if device.index is None else device.index
     if index >= count:

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cbserve.v1 import executor_pb2 as pb
 from cbserve.v1 import executor_pb2_grpc as pb_grpc
+from executor.args import listen_refusal
 from executor.errors import PlanError
 from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
@@ -342,11 +343,9 @@ def build_server(
     TCP address (TLS required unless allow_insecure_tcp; with
     tls_client_ca, only clients with a certificate it signed)."""
     path = _unix_path(address)
-    if not path and not tls_cert and not allow_insecure_tcp:
-        raise ValueError(
-            f"--listen {address}: TCP without TLS lets anyone who reaches it drive the executor; "
-            "give --tls-cert/--tls-key, or --allow-insecure-tcp"
-        )
+    refusal = listen_refusal(address, tls_cert, allow_insecure_tcp)
+    if refusal is not None:
+        raise refusal
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4),
         options=[
