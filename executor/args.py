@@ -80,20 +80,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def device_refusal(name: str) -> ValueError | None:
-    """Refuses a --device that is not one of the forms served, whatever
+def check_device(name: str) -> None:
+    """ValueError for a --device that is not one of the forms served, whatever
     devices exist (which only torch can tell: model_loader.pick_device)."""
-    if _DEVICE.fullmatch(name):
-        return None
-    return ValueError(f"device {name!r} is not auto|cpu|cuda|cuda:N")
+    if not _DEVICE.fullmatch(name):
+        raise ValueError(f"device {name!r} is not auto|cpu|cuda|cuda:N")
 
 
-def listen_refusal(address: str, tls_cert: str, allow_insecure_tcp: bool) -> ValueError | None:
-    """A TCP listener needs TLS unless explicitly allowed: anyone who
-    reaches it could drive the executor."""
+def check_listen(address: str, tls_cert: str, allow_insecure_tcp: bool) -> None:
+    """ValueError for a TCP listener without TLS that is not explicitly
+    allowed: anyone who reaches it could drive the executor."""
     if address.startswith("unix://") or tls_cert or allow_insecure_tcp:
-        return None
-    return ValueError(
+        return
+    raise ValueError(
         f"--listen {address}: TCP without TLS lets anyone who reaches it drive the executor; "
         "give --tls-cert/--tls-key, or --allow-insecure-tcp"
     )
@@ -106,9 +105,8 @@ def check(args: argparse.Namespace) -> CacheConfig:
     cache = load_cache_config(args.config)
     if args.max_loras < 0 or args.max_lora_rank < 1 or args.max_cpu_loras < 0:
         raise ConfigError("--max-loras and --max-cpu-loras must be >= 0, --max-lora-rank >= 1")
-    for refusal in (device_refusal(args.device), listen_refusal(args.listen, args.tls_cert, args.allow_insecure_tcp)):
-        if refusal is not None:
-            raise refusal
+    check_device(args.device)
+    check_listen(args.listen, args.tls_cert, args.allow_insecure_tcp)
     return cache
 
 

@@ -12,7 +12,7 @@ import structlog
 import torch
 
 from common.model_cache import EXPORT_STAMP, converted_complete, default_converted_dir, gguf_converted_dir
-from executor.args import device_refusal
+from executor.args import check_device
 from executor.cpu.isa import cpu_has_native_bf16
 from executor.model_source import GGUF_FILE as GGUF_FILE_DEFAULT
 from executor.model_source import ModelSource, tiny_config_dict
@@ -23,9 +23,7 @@ _LOGGER = structlog.get_logger(__name__)
 def pick_device(name: str) -> torch.device:
     """'auto' is the first CUDA GPU when torch sees one, else the CPU; 'cpu',
     'cuda' or 'cuda:N' ask for that device and fail clearly without it."""
-    refusal = device_refusal(name)
-    if refusal is not None:
-        raise refusal
+    check_device(name)
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)

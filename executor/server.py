@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cbserve.v1 import executor_pb2 as pb
 from cbserve.v1 import executor_pb2_grpc as pb_grpc
-from executor.args import listen_refusal
+from executor.args import check_listen
 from executor.errors import PlanError
 from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
@@ -343,9 +343,7 @@ def build_server(
     TCP address (TLS required unless allow_insecure_tcp; with
     tls_client_ca, only clients with a certificate it signed)."""
     path = _unix_path(address)
-    refusal = listen_refusal(address, tls_cert, allow_insecure_tcp)
-    if refusal is not None:
-        raise refusal
+    check_listen(address, tls_cert, allow_insecure_tcp)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4),
         options=[
