@@ -1,9 +1,11 @@
 """`cbserve executor`'s arguments, and what can be refused from them alone.
 
 Imports nothing heavy: executor/__main__.py checks the arguments before
-torch loads, so a typo in --listen or --device, or a config file that does
-not parse, is refused (exit 2) at once instead of after the seconds that
-importing torch and transformers take (and, on a GPU, CUDA's start-up)."""
+torch loads, so a typo in --listen or --device, a config file that does
+not parse, or a model file or address they name that cannot serve
+(executor/preflight.py) is refused (exit 2) at once instead of after the
+seconds that importing torch and transformers take (and, on a GPU, CUDA's
+start-up), and before any weight is read."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import re
 import structlog
 
 from common.config import CacheConfig, ConfigError, load_cache_config
-from executor import model_source
+from executor import model_source, preflight
 
 USAGE_ERROR = 2  # exit status for arguments or config it cannot serve with (argparse's too): no restart
 _DEVICE = re.compile(r"auto|cpu(:\d+)?|cuda(:\d+)?")
@@ -100,13 +102,17 @@ def check_listen(address: str, tls_cert: str, allow_insecure_tcp: bool) -> None:
 
 def check(args: argparse.Namespace) -> CacheConfig:
     """The cache section of --config, once the arguments pass every check
-    that needs no model: ConfigError or ValueError naming the first that
-    fails."""
+    that needs no model built (executor/preflight.py: the files and the
+    address they name included): ConfigError, ValueError (ModelNotServable
+    among them) or OSError naming the first that fails."""
     cache = load_cache_config(args.config)
     if args.max_loras < 0 or args.max_lora_rank < 1 or args.max_cpu_loras < 0:
         raise ConfigError("--max-loras and --max-cpu-loras must be >= 0, --max-lora-rank >= 1")
     check_device(args.device)
     check_listen(args.listen, args.tls_cert, args.allow_insecure_tcp)
+    preflight.check_lora_modules(args.lora_modules, args.max_loras, args.max_lora_rank)
+    preflight.check_model(args.model, args.dtype, args.device, args.max_model_len)
+    preflight.check_listen_free(args.listen)
     return cache
 
 
@@ -122,7 +128,7 @@ def early_exit(argv: list[str]) -> int | None:
     args = parse_args(argv)
     try:
         check(args)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         from common.logging_setup import configure_logging
 
         configure_logging("info", "auto", process="executor")

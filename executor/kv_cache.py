@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from dataclasses import dataclass
 
 import torch
 
 from executor.cpu.huge_pages import huge_buffer
 from executor.errors import PlanError
+from executor.preflight import host_available_bytes
 
 
 @dataclass(frozen=True)
@@ -57,42 +57,6 @@ def copyable(t: torch.Tensor) -> torch.Tensor:
 class KVCacheTooLarge(ValueError):
     """The configured pool cannot be allocated on its device (or the swap
     pool on the host)."""
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path, encoding="ascii") as fh:
-            text = fh.read().strip()
-        return int(text) if text != "max" else None
-    except (OSError, ValueError):
-        return None
-
-
-def host_available_bytes(root: str = "/") -> int | None:
-    """Host memory available now: MemAvailable of /proc/meminfo, or less under
-    a cgroup memory limit (a Kubernetes pod's: its limit minus its usage, v2 or
-    v1); None where neither can be read."""
-    avail = None
-    try:
-        with open(os.path.join(root, "proc/meminfo"), encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    cg = os.path.join(root, "sys/fs/cgroup")
-    for limit_file, usage_file in (
-        ("memory.max", "memory.current"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
-    ):
-        limit = _read_int(os.path.join(cg, limit_file))
-        usage = _read_int(os.path.join(cg, usage_file))
-        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes ~2^63 for "no limit"
-            left = max(0, limit - usage)
-            avail = left if avail is None else min(avail, left)
-            break
-    return avail
 
 
 def _check_fits(device: str, device_bytes: int, host_bytes: int) -> None:

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     lifeline.hold()  # started by `cbserve serve`: never outlive it (a no-op if __main__ did)
     try:
-        cache = check(args)  # what the arguments alone refuse (executor/__main__.py checked them before torch)
-    except (ConfigError, ValueError) as exc:
+        cache = check(args)  # what the arguments and their files refuse (executor/__main__.py ran it before torch)
+    except (ConfigError, ValueError, OSError) as exc:
         return refused(exc)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         return refused(exc)
     except Exception as exc:  # noqa: BLE001  (a model whose first forward pieces fail cannot be served either)
         return refused(model_loader.ModelNotServable(f"{type(model).__name__}: cannot be served: {exc!r}"))
-    if args.lora_modules and runner.lora is None:
-        return refused(ConfigError("--lora-modules needs --max-loras > 0"))
     for spec in args.lora_modules:
         name, _, path = spec.partition("=")
         try:

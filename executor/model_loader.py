@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import struct
 import time
 
 import structlog
@@ -16,6 +14,7 @@ from executor.args import check_device
 from executor.cpu.isa import cpu_has_native_bf16
 from executor.model_source import GGUF_FILE as GGUF_FILE_DEFAULT
 from executor.model_source import ModelSource, tiny_config_dict
+from executor.preflight import ModelNotServable, architecture, check_weights_fit
 
 _LOGGER = structlog.get_logger(__name__)
 
@@ -209,22 +208,6 @@ def generation_facts(model: torch.nn.Module) -> tuple[list[int], dict[str, float
     return eos, defaults
 
 
-class ModelNotServable(ValueError):
-    """A model the executor cannot serve: not a decoder-only causal LM, or a
-    checkpoint that does not load. The message names the architecture."""
-
-
-def architecture(path: str) -> str:
-    """'<architectures[0]> (model_type <t>)' of a checkpoint directory's config.json."""
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ModelNotServable(f"{path}: config.json cannot be read: {exc}") from exc
-    archs = cfg.get("architectures") or ["?"]
-    return f"{archs[0]} (model_type {cfg.get('model_type', '?')})"
-
-
 def check_causal_lm(path: str) -> None:
     """Refuses a checkpoint that transformers has no causal-LM class for
     (an encoder-decoder like T5, an encoder like BERT, an unknown type)."""
@@ -239,54 +222,14 @@ def check_causal_lm(path: str) -> None:
         )
 
 
-# Safetensors dtypes: the floating ones are cast to the serving dtype on
-# load; the others keep their bytes per element.
-_ST_FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
-_ST_BYTES_FIXED = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def checkpoint_bytes(path: str, dtype: torch.dtype) -> int | None:
-    """What the weights of a safetensors checkpoint take once loaded in
-    `dtype`, read from the files' headers alone; None without safetensors
-    files."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        return None
-    total = 0
-    for name in files:
-        with open(name, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        for key, t in header.items():
-            if key == "__metadata__":
-                continue
-            numel = 1
-            for d in t["shape"]:
-                numel *= int(d)
-            if t["dtype"] in _ST_FLOATING:
-                total += numel * dtype.itemsize
-            else:
-                total += numel * _ST_BYTES_FIXED.get(t["dtype"], 8)
-    return total
-
-
 def _check_fits(path: str, dtype: torch.dtype, device: torch.device) -> None:
     """Refuses a checkpoint whose weights alone exceed the memory `device`
-    has available, before loading starts (else the kernel's OOM killer ends
-    the executor mid-load with no word of why)."""
+    has available, before loading starts (executor/preflight.py refused it
+    already where the device is the CPU)."""
     from executor.kv_cache import available_bytes
 
-    try:
-        need = checkpoint_bytes(path, dtype)
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return  # from_pretrained says what is wrong with the files
-    free = available_bytes(str(device))
-    if need is not None and free is not None and need > free:
-        raise ModelNotServable(
-            f"{architecture(path)} at {path}: its weights take {need / 2**30:.1f} GiB in "
-            f"{str(dtype).removeprefix('torch.')}, more than the {free / 2**30:.1f} GiB of {device.type} memory "
-            "available"
-        )
+    name = str(dtype).removeprefix("torch.")
+    check_weights_fit(path, dtype.itemsize, name, device.type, available_bytes(str(device)))
 
 
 def load_model(

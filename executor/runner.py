@@ -26,6 +26,7 @@ from executor.batch_state import BatchState, SeqState
 from executor.cpu import fast_forward
 from executor.errors import PlanError, SeqError
 from executor.kv_cache import CacheShape, KVCache
+from executor.preflight import check_max_model_len
 from executor.sampler import SamplingParams, greedy_only, sample
 
 _LOGGER = structlog.get_logger(__name__)
@@ -193,8 +194,7 @@ class ModelRunner:
         self.kv = KVCache(self.cache_shape, num_blocks, num_swap_blocks, device=str(self.device))
         self.state = BatchState()
         model_len = int(getattr(cfg, "max_position_embeddings", 2048))
-        if max_model_len > model_len:
-            raise ValueError(f"--max-model-len {max_model_len} is beyond the model's context ({model_len} positions)")
+        check_max_model_len(max_model_len, model_len)
         # The longest sequence served: the model's context, or less (--max-model-len).
         self.max_context = max_model_len or model_len
         self.vocab_size = int(cfg.vocab_size)

@@ -302,8 +302,23 @@ def _tokenizer_class(name: str):
     return found
 
 
+# The names a tokenizer's files start or end with (tokenizer.json and
+# _config.json, vocab.json / merges.txt, SentencePiece and tiktoken files,
+# special tokens): a directory holding none of them has nothing AutoTokenizer
+# could build from, which it would only say after importing torch.
+_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "special_tokens", "added_tokens")
+_TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken", "tekken.json")
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    names = os.listdir(path)
+    return any(n.startswith(_TOKENIZER_FILE_PREFIXES) or n.endswith(_TOKENIZER_FILE_SUFFIXES) for n in names)
+
+
 def _hf_from_dir(path: str):
     """A checkpoint directory's tokenizer, as AutoTokenizer builds it."""
+    if not _has_tokenizer_files(path):
+        raise OSError("the directory holds no tokenizer files (tokenizer.json, tokenizer_config.json, vocab, ...)")
     found = _tokenizer_class_of(path)
     if found is None:
         from transformers import AutoTokenizer

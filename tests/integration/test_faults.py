@@ -208,6 +208,7 @@ def test_a_checkpoint_that_is_not_a_causal_lm_is_refused_by_name(tmp_path):
 
     cfg = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
     T5ForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    build_tiny_tokenizer().save_pretrained(tmp_path)  # the router's refusal of a tokenizer-less dir would come first
     log = _serve_refused("--device", "cpu", model=str(tmp_path))
     assert "T5ForConditionalGeneration (model_type t5): not a decoder-only causal LM" in log
 
