@@ -8,12 +8,12 @@ from executor.affinity import bind_omp_threads  # noqa: E402
 
 bind_omp_threads(sys.argv[1:])  # before torch loads OpenMP (executor/affinity.py)
 
-from executor.args import early_exit  # noqa: E402
+from executor.args import checked  # noqa: E402
 
-refused = early_exit(sys.argv[1:])  # what the arguments alone refuse: before torch loads
-if refused is not None:
-    sys.exit(refused)
+args_and_cache = checked(sys.argv[1:])  # what the arguments and the files they name refuse: before torch loads
+if isinstance(args_and_cache, int):
+    sys.exit(args_and_cache)
 
-from executor.main import main  # noqa: E402
+from executor.main import serve  # noqa: E402
 
-sys.exit(main())
+sys.exit(serve(*args_and_cache))

@@ -122,15 +122,15 @@ def refused(exc: Exception) -> int:
     return USAGE_ERROR
 
 
-def early_exit(argv: list[str]) -> int | None:
-    """refused()'s exit status where the arguments alone cannot be served,
-    else None (main() parses and checks them again)."""
+def checked(argv: list[str] | None) -> tuple[argparse.Namespace, CacheConfig] | int:
+    """The parsed arguments and their cache section once check() passes,
+    else refused()'s exit status. executor/__main__.py runs it before torch
+    loads and hands what passed to executor.main.serve."""
     args = parse_args(argv)
     try:
-        check(args)
+        return args, check(args)
     except (ConfigError, ValueError, OSError) as exc:
         from common.logging_setup import configure_logging
 
         configure_logging("info", "auto", process="executor")
         return refused(exc)
-    return None

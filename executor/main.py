@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import gc
@@ -12,10 +13,10 @@ import sys
 import structlog
 import torch
 
-from common.config import ConfigError
+from common.config import CacheConfig, ConfigError
 from common.logging_setup import configure_logging
 from executor import lifeline, model_loader, model_source
-from executor.args import check, parse_args, refused
+from executor.args import checked, refused
 from executor.kv_cache import CacheShape, KVCacheTooLarge, available_bytes, cache_dtype
 from executor.metrics import ExecutorMetrics
 from executor.runner import ModelRunner
@@ -25,15 +26,18 @@ _LOGGER = structlog.get_logger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """`python -m executor.main ARGS`: the arguments checked here, then served."""
+    args_and_cache = checked(argv)
+    return args_and_cache if isinstance(args_and_cache, int) else serve(*args_and_cache)
+
+
+def serve(args: argparse.Namespace, cache: CacheConfig) -> int:
+    """Loads the model and serves plans, for arguments check() passed (and
+    `cache`, the cache section it read)."""
     configure_logging("info", "auto", process="executor")
     # Nothing to reload: a hang-up must not kill the model (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     lifeline.hold()  # started by `cbserve serve`: never outlive it (a no-op if __main__ did)
-    try:
-        cache = check(args)  # what the arguments and their files refuse (executor/__main__.py ran it before torch)
-    except (ConfigError, ValueError, OSError) as exc:
-        return refused(exc)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from executor.main import parse_args as executor_args
+from executor.args import parse_args as executor_args
 from router.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
