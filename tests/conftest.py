@@ -28,6 +28,17 @@ def has_smollm2() -> bool:
 
 
 TRACEBACK = "Traceback (most recent call last)"
+# Where servers' configs, logs and sockets go: a directory of pytest's own
+# base temp (the last three runs are kept, older ones removed), set by the
+# session fixture below; the system's temp directory outside a session.
+_RUN_DIR: str | None = None
+
+
+def run_dir() -> str:
+    """The directory this session's servers write their files to."""
+    return _RUN_DIR or tempfile.gettempdir()
+
+
 # Every server start_server started this session whose log is still to be
 # checked; the autouse fixture below reads what each logged during a test.
 _SERVERS: list["Server"] = []
@@ -204,7 +215,7 @@ def _free_shared_executor(model: str, cache: dict) -> SharedExecutor:
     for ex in _SHARED:
         if ex.model == model and ex.cache == cache and ex.free():
             return ex
-    where = tempfile.mkdtemp(prefix="cbserve-shared-")
+    where = tempfile.mkdtemp(prefix="shared-", dir=run_dir())
     address = f"unix://{where}/executor.sock"
     cfg_path, log_path = os.path.join(where, "executor.yaml"), os.path.join(where, "executor.log")
     with open(cfg_path, "w") as fh:
@@ -223,8 +234,11 @@ def _free_shared_executor(model: str, cache: dict) -> SharedExecutor:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def shared_executors():
-    """Stops the session's shared executors after every other fixture."""
+def shared_executors(tmp_path_factory):
+    """Gives the session's servers their directory (run_dir), and stops its
+    shared executors after every other fixture."""
+    global _RUN_DIR
+    _RUN_DIR = str(tmp_path_factory.mktemp("servers"))
     yield _SHARED
     for ex in _SHARED:
         ex.server.stop(10)
@@ -267,11 +281,11 @@ def start_server(
     if share_executor and cache is not None:
         shared = _free_shared_executor(model, cache)
         cfg.setdefault("executor", {})["address"] = shared.address
-    fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="cbserve-test-")
+    fd, cfg_path = tempfile.mkstemp(suffix=".yaml", prefix="server-", dir=run_dir())
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
     port, mport, hport = free_port(), free_port(), free_port()
-    log_fd, log_path = tempfile.mkstemp(suffix=".log", prefix="cbserve-test-")
+    log_fd, log_path = tempfile.mkstemp(suffix=".log", prefix="server-", dir=run_dir())
     if shared is None:
         what = ["serve", "--model", model, "--dtype", dtype, "--device", device, "--attention-backend", backend]
     else:

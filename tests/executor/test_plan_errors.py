@@ -5,7 +5,6 @@ a rejected plan, on both the unary Step and the StepStream transport."""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 
 import grpc
@@ -21,10 +20,10 @@ from executor.server import ExecutorService, build_server
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(tmp_path_factory):
     runner = ModelRunner(model_loader.load_model(model_source.resolve("tiny"), torch.float32), 16, 32)
     service = ExecutorService(runner, "tiny", [0])
-    address = f"unix://{tempfile.mkdtemp(prefix='cbserve-errors-')}/executor.sock"
+    address = f"unix://{tmp_path_factory.mktemp('errors')}/executor.sock"
     server, _ = build_server(service, address)
     stop = threading.Event()
     worker = threading.Thread(target=service.worker.serve, args=(stop,), daemon=True)

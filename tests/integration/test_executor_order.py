@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -30,8 +29,8 @@ def _small_cache(directory: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def executor_stub():
-    tmp = tempfile.mkdtemp(prefix="cbserve-order-")
+def executor_stub(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("order")
     address = f"unix://{tmp}/executor.sock"
     proc = subprocess.Popen(
         [
