@@ -138,6 +138,7 @@ def serve(args: argparse.Namespace, cache: CacheConfig) -> int:
     _LOGGER.info("executor stopped")
     sys.stdout.flush()
     sys.stderr.flush()
+    lifeline.orphaned_exit()
     os._exit(0)
 
 

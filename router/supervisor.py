@@ -36,8 +36,11 @@ class ExecutorProcess:
     healthy_reset_s = 60.0
     module = "executor"  # what `python -m` runs
 
-    def __init__(self, argv: list[str], on_refused: asyncio.Event | None = None, name: str = "") -> None:
+    def __init__(
+        self, argv: list[str], on_refused: asyncio.Event | None = None, name: str = "", run_dir: str = ""
+    ) -> None:
         self.argv = argv
+        self.run_dir = run_dir  # serve's private directory of its socket, removed by an orphan (lifeline)
         self.name = name  # the model it serves (logs)
         self.on_refused = on_refused  # set when the executor refuses its arguments
         self.proc: asyncio.subprocess.Process | None = None
@@ -59,14 +62,22 @@ class ExecutorProcess:
                 *self.argv,
                 start_new_session=True,
                 pass_fds=(write_fd,),
-                # executor/lifeline.py: it exits when this process dies.
-                env={**os.environ, "CBSERVE_READY_FD": str(write_fd), "CBSERVE_PARENT_PID": str(os.getpid())},
+                env=self._env(write_fd),
             )
         finally:
             os.close(write_fd)
         asyncio.get_running_loop().add_reader(read_fd, self._on_ready, read_fd)
         self.started_at = asyncio.get_running_loop().time()
         _LOGGER.info("executor started", pid=self.proc.pid, model=self.name)
+
+    def _env(self, ready_fd: int) -> dict[str, str]:
+        # executor/lifeline.py: it exits when this process dies, and then
+        # removes the directory this process could not.
+        env = {**os.environ, "CBSERVE_READY_FD": str(ready_fd), "CBSERVE_PARENT_PID": str(os.getpid())}
+        env.pop("CBSERVE_RUN_DIR", None)
+        if self.run_dir:
+            env["CBSERVE_RUN_DIR"] = self.run_dir
+        return env
 
     def _on_ready(self, fd: int) -> None:
         asyncio.get_running_loop().remove_reader(fd)
@@ -178,19 +189,21 @@ async def _serve(args) -> int:
     apply_overrides(cfg, args)
     entries = model_entries(cfg, args.model)
     configs: list[str | None] = []
+    run_dir = ""  # the private directory of the executors' sockets, if serve made one
     if not cfg.models:  # the classic single model: --executor-address or a private socket
         if not args.executor_address:
-            cfg.executor.address = f"unix://{os.path.join(_private_dir(), 'executor.sock')}"
+            run_dir = _private_dir()
+            cfg.executor.address = f"unix://{os.path.join(run_dir, 'executor.sock')}"
         configs.append(args.config)
     else:
-        sock_dir = _private_dir() if any(e.own_executor for e in entries) else ""
+        run_dir = _private_dir() if any(e.own_executor for e in entries) else ""
         for i, e in enumerate(entries):
             if not e.own_executor:
                 configs.append(None)
                 continue
-            e.cfg.executor.address = f"unix://{os.path.join(sock_dir, f'executor-{i}.sock')}"
+            e.cfg.executor.address = f"unix://{os.path.join(run_dir, f'executor-{i}.sock')}"
             # The executor reads only `cache:`: this model's, merged.
-            path = os.path.join(sock_dir, f"executor-{i}.yaml")
+            path = os.path.join(run_dir, f"executor-{i}.yaml")
             with open(path, "w", encoding="utf-8") as fh:
                 yaml.safe_dump({"cache": dataclasses.asdict(e.cfg.cache)}, fh)
             configs.append(path)
@@ -198,7 +211,9 @@ async def _serve(args) -> int:
     executors: dict[str, ExecutorProcess] = {}
     for i, (e, path) in enumerate(zip(entries, configs)):
         if e.own_executor:
-            executors[e.name] = ExecutorProcess(_executor_argv(args, e, i, path), on_refused=stop, name=e.name)
+            executors[e.name] = ExecutorProcess(
+                _executor_argv(args, e, i, path), on_refused=stop, name=e.name, run_dir=run_dir
+            )
     for ex in executors.values():
         await ex.start()
     # Imported once the executors are on their way (gRPC, HTTP, the engine:

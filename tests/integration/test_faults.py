@@ -410,9 +410,10 @@ def _load(port: int, state: str, stop: threading.Event) -> list[threading.Thread
     return threads
 
 
-def _kill_serve_while(state: str, delay: float, config: str) -> tuple[str, float]:
+def _kill_serve_while(state: str, delay: float, config: str) -> tuple[str, float, bool]:
     """Starts `cbserve serve`, brings its executor to `state`, SIGKILLs the
-    serve `delay` seconds later; returns how long its executor outlived it."""
+    serve `delay` seconds later; returns how long its executor outlived it,
+    and whether serve's private socket directory outlived them both."""
     port = free_port()
     proc = popen_serve("--device", "cpu", "--config", config, port=str(port), start_new_session=True)
     stop = threading.Event()
@@ -425,6 +426,8 @@ def _kill_serve_while(state: str, delay: float, config: str) -> tuple[str, float
             exe = next((k.pid for k in kids if "executor" in " ".join(k.cmdline())), None)
             time.sleep(0.01)
         assert exe is not None, "no executor started"
+        argv = psutil.Process(exe).cmdline()
+        run_dir = os.path.dirname(argv[argv.index("--listen") + 1].removeprefix("unix://"))
         if state != "starting":
             wait_serving(f"127.0.0.1:{port}", 60, proc)
             if state != "idle":
@@ -435,7 +438,7 @@ def _kill_serve_while(state: str, delay: float, config: str) -> tuple[str, float
         proc.kill()
         while _alive(exe) and time.monotonic() - t0 < 30:
             time.sleep(0.02)
-        return state, round(time.monotonic() - t0, 2)
+        return state, round(time.monotonic() - t0, 2), os.path.exists(run_dir)
     finally:
         stop.set()
         proc.kill()
@@ -450,8 +453,8 @@ def test_the_executor_exits_within_5_s_of_a_serve_killed_at_random_moments(tmp_p
     """`cbserve serve` SIGKILLed 20 times at random moments, five in each
     state: the executor starting (importing, loading the model, connecting),
     idle, in prefill and in decode. Each time its executor must be gone within
-    5 s (executor/lifeline.py). Two servers at a time, small KV pools (a
-    quicker start)."""
+    5 s (executor/lifeline.py), and serve's private socket directory with it.
+    Two servers at a time, small KV pools (a quicker start)."""
     config = tmp_path / "small.yaml"
     config.write_text(yaml.safe_dump({"cache": {"num_blocks": 256, "block_size": 16}}))
     seed = random.randrange(1 << 30)
@@ -461,3 +464,5 @@ def test_the_executor_exits_within_5_s_of_a_serve_killed_at_random_moments(tmp_p
         exits = list(pool.map(lambda r: _kill_serve_while(*r, str(config)), rounds * 5))
     slow = [e for e in exits if e[1] > 5.0]
     assert not slow, f"executors outlived their serve by more than 5 s: {slow} of {exits} (seed {seed})"
+    left = [e for e in exits if e[2]]  # the executors remove the directory serve could not (lifeline)
+    assert not left, f"serve's socket directory outlived it: {left} of {exits} (seed {seed})"
