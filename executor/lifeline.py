@@ -15,8 +15,9 @@ from os.getppid() at start-up: a parent that died while this process was still
 importing would already have been replaced by init there.
 
 An orphan also removes CBSERVE_RUN_DIR, the private directory serve made for
-its sockets and removes at its own exit: a killed serve cannot, and its
-executors are the last of it alive. Every way out does it once the parent is
+its sockets and removes at its own exit (what serve put there, then the
+directory): a killed serve cannot, and its executors are the last of it
+alive. Every way out does it once the parent is
 gone: the watch thread when it sees that, the SIGTERM that ends an executor
 still starting (before the graceful handler is installed, a handler that
 removes it and dies of the signal as before), and the graceful stop's exit
@@ -31,7 +32,6 @@ import ctypes
 import ctypes.util
 import os
 import select
-import shutil
 import signal
 import threading
 import time
@@ -108,9 +108,26 @@ def _parent_dying(wait_s: float) -> bool:
 
 
 def _remove_run_dir() -> None:
+    """Removes what serve puts in its directory (router/supervisor.py: the
+    executors' sockets and configs), then the directory if that empties it:
+    never more than serve would have removed."""
     path = os.environ.get(RUN_DIR_ENV)
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
+    if not path:
+        return
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith("executor") and name.endswith((".sock", ".yaml")):
+            try:
+                os.unlink(os.path.join(path, name))
+            except OSError:
+                pass
+    try:
+        os.rmdir(path)
+    except OSError:  # something else in it, or gone already
+        pass
 
 
 def _term_while_starting(signum: int, _frame) -> None:

@@ -12,6 +12,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # An executor still starting: the lifeline held, the graceful handler not yet installed.
@@ -34,10 +35,15 @@ def _wait_gone(pid: int, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def test_an_orphaned_executor_removes_its_serves_directory(tmp_path):
+@pytest.mark.parametrize("foreign", [None, "notes.txt"])
+def test_an_orphaned_executor_removes_its_serves_directory(tmp_path, foreign):
+    """What serve put there goes, and the directory with it; a file serve did
+    not make keeps it (no more is removed than serve would have)."""
     run_dir = tmp_path / "cbserve-run"
     run_dir.mkdir()
     (run_dir / "executor-0.yaml").write_text("cache: {}\n")
+    if foreign:
+        (run_dir / foreign).write_text("kept\n")
     # A stand-in for serve: starts the child with its own pid as the parent, prints the child's pid.
     parent_code = (
         "import os, subprocess, sys, time\n"
@@ -53,7 +59,10 @@ def test_an_orphaned_executor_removes_its_serves_directory(tmp_path):
         parent.kill()
         took = _wait_gone(child, 10)
         assert took < 5, f"the orphan lived {took:.1f} s"
-        assert not run_dir.exists()
+        if foreign:
+            assert sorted(p.name for p in run_dir.iterdir()) == [foreign]
+        else:
+            assert not run_dir.exists()
     finally:
         parent.kill()
         parent.wait()
