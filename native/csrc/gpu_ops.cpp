@@ -7,7 +7,8 @@
 // the host waits for the GPU, and cannot happen inside a graph capture. The
 // caller vouches for the values (executor/gpu/: the runner has checked every
 // block id, position and length of the plan before it builds them).
-#include <torch/extension.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and the at::Tensor caster, not all of torch/extension.h
 
 #include "gpu_ops.h"
 #include "py_errors.h"

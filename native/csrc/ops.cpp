@@ -5,7 +5,9 @@
 // argument raises a Python exception (TypeError / ValueError / IndexError via
 // pybind11) instead of reading or writing out of bounds.
 #include <ATen/MemoryOverlap.h>
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and the at::Tensor caster, not all of torch/extension.h
 
 #include <algorithm>
 #include <atomic>

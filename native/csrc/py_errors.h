@@ -2,7 +2,7 @@
 // exceptions through pybind11: TypeError (dtypes), ValueError (devices,
 // shapes, layouts), IndexError (ids out of range).
 #pragma once
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and the at::Tensor caster, not all of torch/extension.h
 
 #include <cmath>
 #include <sstream>

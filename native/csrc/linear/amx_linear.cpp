@@ -40,6 +40,8 @@
 #include "amx_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -362,13 +364,13 @@ bool amx_linear_supported() {
 #endif
 }
 
-torch::Tensor amx_pack_weight(const torch::Tensor& weight) {
+at::Tensor amx_pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
               "weight must be a CPU bf16 [N, K] tensor");
   TORCH_CHECK(weight.size(0) > 0 && weight.size(1) > 0, "weight must not be empty");
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t Npad = round_up(N, kTileN), Kpad = round_up(K, kTileK);
-  auto padded = torch::zeros({Npad, Kpad}, weight.options());
+  auto padded = at::zeros({Npad, Kpad}, weight.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
   // [nb, n, kb, kpair, 2] -> [nb, kb, kpair, n, 2]
   return padded.view({Npad / kTileN, kTileN, Kpad / kTileK, kTileK / 2, 2}).permute({0, 2, 3, 1, 4}).contiguous();
@@ -379,7 +381,7 @@ namespace {
 // Checks x and packed (amx_pack_weight, amx_pack_gate_up, or the uint8
 // [N/16, K/32 or K/256, tile bytes] blocks of a GGUF weight packed in Python,
 // executor/cpu/gguf_weights.py) for an [n_features, K] weight; returns nblocks.
-int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_features, Fmt& fmt) {
+int64_t check_amx_args(const at::Tensor& x, const at::Tensor& packed, int64_t n_features, Fmt& fmt) {
   TORCH_CHECK(amx_linear_supported(), "amx_linear needs an AMX-BF16 CPU");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "amx_linear is bf16 only");
@@ -399,14 +401,14 @@ int64_t check_amx_args(const torch::Tensor& x, const torch::Tensor& packed, int6
 // y = x · wᵀ (+ bias), or act(gate) * up when gated.inter > 0, over all pairs
 // of column blocks split between the threads; with `argmax_out` ([M]) y is
 // not written and each row's greedy column goes there instead.
-void run(const torch::Tensor& x, const torch::Tensor& packed, Fmt fmt, int64_t N, int64_t nblocks, const uint16_t* bp,
-         torch::Tensor& y, Gated gated, int64_t* argmax_out = nullptr) {
+void run(const at::Tensor& x, const at::Tensor& packed, Fmt fmt, int64_t N, int64_t nblocks, const uint16_t* bp,
+         at::Tensor& y, Gated gated, int64_t* argmax_out = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return;
 #if CB_FUSED_X86
   const int64_t Mpad = round_up(M, kTileM), Kpad = round_up(K, kTileK);
   // Zero-padded copy of x: tile loads read whole 16 x 32 tiles.
-  auto xpad_t = torch::empty({Mpad, Kpad}, x.options());
+  auto xpad_t = at::empty({Mpad, Kpad}, x.options());
   auto* xp = reinterpret_cast<uint16_t*>(xpad_t.data_ptr<c10::BFloat16>());
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   for (int64_t r = 0; r < Mpad; ++r) {
@@ -461,28 +463,28 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, Fmt fmt, int64_t N
 
 }  // namespace
 
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                         const c10::optional<torch::Tensor>& bias) {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const c10::optional<at::Tensor>& bias) {
   Fmt fmt;
   const int64_t nblocks = check_amx_args(x, packed, out_features, fmt);
   const uint16_t* bp = bf16_bias(bias, out_features);
-  auto y = torch::empty({x.size(0), out_features}, x.options());
+  auto y = at::empty({x.size(0), out_features}, x.options());
   run(x, packed, fmt, out_features, nblocks, bp, y, Gated{});
   return y;
 }
 
-torch::Tensor amx_linear_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                                const c10::optional<torch::Tensor>& bias) {
+at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                             const c10::optional<at::Tensor>& bias) {
   Fmt fmt;
   const int64_t nblocks = check_amx_args(x, packed, out_features, fmt);
   const uint16_t* bp = bf16_bias(bias, out_features);
-  auto out = torch::zeros({x.size(0)}, x.options().dtype(at::kLong));
-  torch::Tensor unused;
+  auto out = at::zeros({x.size(0)}, x.options().dtype(at::kLong));
+  at::Tensor unused;
   run(x, packed, fmt, out_features, nblocks, bp, unused, Gated{}, out.data_ptr<int64_t>());
   return out;
 }
 
-torch::Tensor amx_pack_gate_up(const torch::Tensor& gate_up) {
+at::Tensor amx_pack_gate_up(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(0) % (2 * kTileN) == 0,
               "gate_up must be [2 I, K] (gate rows then up rows) with I a multiple of 16");
   const int64_t I = gate_up.size(0) / 2, K = gate_up.size(1);
@@ -490,23 +492,23 @@ torch::Tensor amx_pack_gate_up(const torch::Tensor& gate_up) {
   return amx_pack_weight(gate_up.reshape({2, I / kTileN, kTileN, K}).transpose(0, 1).reshape({2 * I, K}));
 }
 
-torch::Tensor amx_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
-                                  const std::string& activation) {
+at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t inter,
+                               const std::string& activation) {
   const Act act = parse_act(activation);
   TORCH_CHECK(inter > 0 && inter % kTileN == 0, "inter must be a positive multiple of 16");
   Fmt fmt;
   const int64_t nblocks = check_amx_args(x, packed, 2 * inter, fmt);
-  auto y = torch::empty({x.size(0), inter}, x.options());
+  auto y = at::empty({x.size(0), inter}, x.options());
   run(x, packed, fmt, 2 * inter, nblocks, nullptr, y, Gated{inter, act});
   return y;
 }
 
-torch::Tensor amx_dequant(const torch::Tensor& packed) {
+at::Tensor amx_dequant(const at::Tensor& packed) {
   TORCH_CHECK(has_avx512_bf16(), "amx_dequant needs an AVX512-BF16 CPU");
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "packed must be a contiguous CPU tensor");
   const Fmt fmt = block_fmt(packed);
   const int64_t nblocks = packed.size(0), kblocks = packed.size(1) * gguf_tiles::kblocks_per_tile(fmt);
-  auto out = torch::empty({nblocks, kblocks, kTileK / 2, kTileN, 2}, packed.options().dtype(at::kBFloat16));
+  auto out = at::empty({nblocks, kblocks, kTileK / 2, kTileN, 2}, packed.options().dtype(at::kBFloat16));
 #if CB_FUSED_X86
   const auto* src = packed.data_ptr<uint8_t>();
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());

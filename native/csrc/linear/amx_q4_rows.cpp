@@ -22,6 +22,7 @@
 #include "amx_q4_rows.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -246,7 +247,7 @@ CB_AMX void build_xt(const uint32_t* xs, int64_t M, int64_t K, uint32_t* xt) {
 }
 #endif
 
-void check_packed(const torch::Tensor& packed) {
+void check_packed(const at::Tensor& packed) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 4 &&
                   packed.size(2) == 2 && packed.size(3) == kTileBytes && packed.is_contiguous(),
               "packed must be contiguous uint8 [N/32, K/32, 2, ", kTileBytes, "] (BlockWeight.pack_rows)");
@@ -254,8 +255,7 @@ void check_packed(const torch::Tensor& packed) {
 
 }  // namespace
 
-torch::Tensor amx_q4_rows_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                                 int64_t silu_inter) {
+at::Tensor amx_q4_rows_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t silu_inter) {
   TORCH_CHECK(amx_linear_supported(), "amx_q4_rows_linear needs an AMX-BF16 CPU");
   check_packed(packed);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
@@ -265,13 +265,13 @@ torch::Tensor amx_q4_rows_linear(const torch::Tensor& x, const torch::Tensor& pa
       N % (2 * kTile) == 0 && packed.size(0) == N / (2 * kTile) && K % kBlockK == 0 && packed.size(1) == K / kBlockK,
       "packed does not hold a [", N, ", ", K, "] weight");
   TORCH_CHECK(silu_inter == 0 || 2 * silu_inter == N, "silu_inter must be half of out_features");
-  auto y = torch::empty({M, silu_inter > 0 ? silu_inter : N}, x.options());
+  auto y = at::empty({M, silu_inter > 0 ? silu_inter : N}, x.options());
   if (M == 0) return y;
 #if CB_FUSED_X86
   const int64_t kblocks = K / kBlockK, tiles_m = (M + kTile - 1) / kTile;
   // xᵀ as AMX B tiles [k-block][token tile][16 k-pairs][16 tokens] of bf16
   // pairs, zero past the last token.
-  auto xt_t = torch::empty({kblocks * tiles_m * 256}, x.options().dtype(at::kInt));
+  auto xt_t = at::empty({kblocks * tiles_m * 256}, x.options().dtype(at::kInt));
   build_xt(reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), M, K,
            reinterpret_cast<uint32_t*>(xt_t.data_ptr<int32_t>()));
   const auto* xt = reinterpret_cast<const uint32_t*>(xt_t.data_ptr<int32_t>());
@@ -288,11 +288,11 @@ torch::Tensor amx_q4_rows_linear(const torch::Tensor& x, const torch::Tensor& pa
   return y;
 }
 
-torch::Tensor amx_q4_rows_dequant(const torch::Tensor& packed) {
+at::Tensor amx_q4_rows_dequant(const at::Tensor& packed) {
   TORCH_CHECK(amx_linear_supported(), "amx_q4_rows_dequant needs an AMX-BF16 CPU");
   check_packed(packed);
   const int64_t npairs = packed.size(0), kblocks = packed.size(1);
-  auto out = torch::empty({npairs * 2 * kTile, kblocks * kBlockK}, packed.options().dtype(at::kBFloat16));
+  auto out = at::empty({npairs * 2 * kTile, kblocks * kBlockK}, packed.options().dtype(at::kBFloat16));
 #if CB_FUSED_X86
   const auto* src = packed.data_ptr<uint8_t>();
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());

@@ -2,7 +2,7 @@
 // bound in fused_ops.cpp.
 #pragma once
 
-#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
+#include <ATen/core/Tensor.h>  // the tensor alone: torch/types.h is several times slower to compile
 
 namespace cbserve_fused {
 
@@ -12,10 +12,9 @@ namespace cbserve_fused {
 // bf16(d * q + m) exactly as amx_linear expands its blocks. With
 // silu_inter > 0 the rows are gate and up blocks of 16 interleaved (as for
 // amx_linear_silu_mul) and y is [M, silu_inter] = silu(gate) * up.
-torch::Tensor amx_q4_rows_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                                 int64_t silu_inter);
+at::Tensor amx_q4_rows_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t silu_inter);
 
 // The bf16 weight [N, K] those blocks expand to (for the load-time check).
-torch::Tensor amx_q4_rows_dequant(const torch::Tensor& packed);
+at::Tensor amx_q4_rows_dequant(const at::Tensor& packed);
 
 }  // namespace cbserve_fused

@@ -22,6 +22,8 @@
 #include "avx2_f32_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstdint>
 #include <cstring>
@@ -182,14 +184,14 @@ void pack_panels(const T* src, T* dst, int64_t N, int64_t K) {
 
 }  // namespace
 
-torch::Tensor avx2_f32_pack_weight(const torch::Tensor& weight) {
+at::Tensor avx2_f32_pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
                   (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
               "weight must be a CPU fp32 or bf16 [N, K] tensor");
   TORCH_CHECK(weight.size(0) > 0 && weight.size(1) > 0, "weight must have N > 0 and K > 0");
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  auto packed = torch::zeros({ceil_div(N, kPanel), K, kPanel}, w.options());
+  auto packed = at::zeros({ceil_div(N, kPanel), K, kPanel}, w.options());
   if (w.scalar_type() == at::kFloat)
     pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), N, K);
   else
@@ -198,8 +200,8 @@ torch::Tensor avx2_f32_pack_weight(const torch::Tensor& weight) {
   return packed;
 }
 
-torch::Tensor avx2_f32_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                              const c10::optional<torch::Tensor>& bias) {
+at::Tensor avx2_f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(avx2_f32_linear_supported(), "avx2_f32_linear needs an AVX2 + FMA CPU");
   TORCH_CHECK(out_features > 0, "out_features must be positive");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
@@ -211,9 +213,9 @@ torch::Tensor avx2_f32_linear(const torch::Tensor& x, const torch::Tensor& packe
                   packed.size(1) == x.size(1) && packed.size(2) == kPanel,
               "packed must come from avx2_f32_pack_weight of a weight with x's K and ", out_features,
               " output features");
-  torch::Tensor bias32;
+  at::Tensor bias32;
   const float* bp = fp32_arith_bias(bias, out_features, bf16, bias32);
-  auto y = torch::empty({x.size(0), out_features}, x.options());
+  auto y = at::empty({x.size(0), out_features}, x.options());
 #if CB_FUSED_X86
   if (x.size(0) == 0) return y;
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);

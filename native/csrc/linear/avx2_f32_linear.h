@@ -3,7 +3,7 @@
 // and bf16 layers stored in bf16 and computed in fp32; bound in fused_ops.cpp.
 #pragma once
 
-#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
+#include <ATen/core/Tensor.h>  // the tensor alone: torch/types.h is several times slower to compile
 
 namespace cbserve_fused {
 
@@ -12,12 +12,12 @@ bool avx2_f32_linear_supported();
 
 // weight [N, K] fp32 or bf16 -> the zero-padded panel layout avx2_f32_linear
 // reads, same dtype: [ceil(N/16), K, 16].
-torch::Tensor avx2_f32_pack_weight(const torch::Tensor& weight);
+at::Tensor avx2_f32_pack_weight(const at::Tensor& weight);
 
 // y [M, N] = x [M, K] · weightᵀ (+ bias [N]) with `packed` from
 // avx2_f32_pack_weight (any K, any N): x, packed, bias and y all fp32, or all
 // bf16 (fp32 sums, y rounded to nearest even once).
-torch::Tensor avx2_f32_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                              const c10::optional<torch::Tensor>& bias);
+at::Tensor avx2_f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                           const c10::optional<at::Tensor>& bias);
 
 }  // namespace cbserve_fused

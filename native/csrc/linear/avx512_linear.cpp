@@ -27,6 +27,7 @@
 #include "avx512_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -337,7 +338,7 @@ CB_AVX512BF16 void blocks(const Args& a, int64_t b0, int64_t b1) {
   }
 }
 
-Args make_args(const torch::Tensor& x, int64_t N, const uint16_t* bias, torch::Tensor& y, bool silu, Act act) {
+Args make_args(const at::Tensor& x, int64_t N, const uint16_t* bias, at::Tensor& y, bool silu, Act act) {
   Args a;
   a.M = x.size(0);
   a.K = x.size(1);
@@ -351,8 +352,8 @@ Args make_args(const torch::Tensor& x, int64_t N, const uint16_t* bias, torch::T
   return a;
 }
 
-void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const uint16_t* bias, torch::Tensor& y,
-         bool silu, Act act = Act::kSilu) {
+void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const uint16_t* bias, at::Tensor& y, bool silu,
+         Act act = Act::kSilu) {
   Args a = make_args(x, N, bias, y, silu, act);
   a.w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   a.panel = packed.size(1) * kTileElems;
@@ -375,7 +376,7 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const u
 // every row block. Either way the expanded weights equal amx_pack_weight's
 // tiles of the bf16 model, and each output sums the same products in the
 // same order as avx512_linear's over those tiles: equal bit for bit.
-void run_blocks(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const uint16_t* bias, torch::Tensor& y,
+void run_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t N, const uint16_t* bias, at::Tensor& y,
                 bool silu, Act act = Act::kSilu) {
   Args a = make_args(x, N, bias, y, silu, act);
   a.prefetch = false;
@@ -416,7 +417,7 @@ void run_blocks(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, 
 
 // Whether `packed` holds GGUF blocks (uint8) rather than bf16 tiles; checks
 // either layout against x and the output features.
-bool check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_features) {
+bool check_args(const at::Tensor& x, const at::Tensor& packed, int64_t n_features) {
   TORCH_CHECK(avx512_linear_supported(), "avx512_linear needs an AVX512-BF16 CPU");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "avx512_linear takes bf16 x");
@@ -437,12 +438,12 @@ bool check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_f
 
 bool avx512_linear_supported() { return has_avx512_bf16(); }
 
-torch::Tensor avx512_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(out_features > 0, "out_features must be positive");
   const bool blocks = check_args(x, packed, out_features);
   const uint16_t* bp = bf16_bias(bias, out_features);
-  auto y = torch::empty({x.size(0), out_features}, x.options());
+  auto y = at::empty({x.size(0), out_features}, x.options());
 #if CB_FUSED_X86
   if (blocks)
     run_blocks(x, packed, out_features, bp, y, false);
@@ -452,12 +453,12 @@ torch::Tensor avx512_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
-torch::Tensor avx512_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
-                                     const std::string& activation) {
+at::Tensor avx512_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t inter,
+                                  const std::string& activation) {
   const Act act = parse_act(activation);
   TORCH_CHECK(inter > 0 && inter % kBlockN == 0, "inter must be a positive multiple of 16");
   const bool blocks = check_args(x, packed, 2 * inter);
-  auto y = torch::empty({x.size(0), inter}, x.options());
+  auto y = at::empty({x.size(0), inter}, x.options());
 #if CB_FUSED_X86
   if (blocks)
     run_blocks(x, packed, 2 * inter, nullptr, y, true, act);

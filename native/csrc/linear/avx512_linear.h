@@ -2,7 +2,7 @@
 // (avx512_linear.cpp), for CPUs without AMX; bound in fused_ops.cpp.
 #pragma once
 
-#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
+#include <ATen/core/Tensor.h>  // the tensor alone: torch/types.h is several times slower to compile
 
 #include <string>
 
@@ -15,14 +15,14 @@ bool avx512_linear_supported();
 // amx_pack_weight (bf16 tiles [N/16, K/32, 16, 16, 2]; any K, any N) or a
 // GGUF Q4_1 / Q8_0 weight's blocks packed by executor/cpu/gguf_weights.py
 // (uint8 [N/16, K/32, tile bytes]), expanded on the way to the same tiles.
-torch::Tensor avx512_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                            const c10::optional<torch::Tensor>& bias);
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias);
 
 // y [M, I] = act(x · gateᵀ) * (x · upᵀ), bf16, `packed` from
 // amx_pack_gate_up (or the blocks of that order), with the Hugging Face MLP's rounding points (as
 // amx_linear_silu_mul, the same activations): the [M, 2I] projection is
 // never written.
-torch::Tensor avx512_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
-                                     const std::string& activation = "silu");
+at::Tensor avx512_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t inter,
+                                  const std::string& activation = "silu");
 
 }  // namespace cbserve_fused

@@ -6,8 +6,11 @@
 // AVX-512 (+bf16) code is compiled with function-level target attributes and
 // chosen at run time; a portable loop serves every other CPU and dtype.
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and the at::Tensor caster, not all of torch/extension.h
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
@@ -33,14 +36,14 @@ namespace {
 
 using cbserve_fused::has_avx512_bf16;
 
-void check_row_major(const torch::Tensor& t, const char* name) {
+void check_row_major(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   TORCH_CHECK(t.dim() >= 1, name, " must have at least one dimension");
 }
 
 // x [..., H] and weight [H], both contiguous CPU tensors of one dtype.
-void check_norm_args(const torch::Tensor& x, const torch::Tensor& weight) {
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   check_row_major(x, "x");
   check_row_major(weight, "weight");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [H] with H = x.size(-1)");
@@ -536,9 +539,9 @@ CB_AVX512BF16 int64_t argmax_bf16_row(const c10::BFloat16* x, int64_t n) {
 //   x      [..., H]  fp32 | bf16 | fp16, contiguous
 //   weight [H]       same dtype
 // returns  [..., H]  new tensor
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t h = x.size(-1);
   const int64_t rows = h ? x.numel() / h : 0;
   if (rows == 0) return out;
@@ -562,9 +565,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 //          strided: a slice of a fused projection, its heads); out may be x
 //   weight [H] fp32 contiguous, or [B, H] (one row per head of an [A, B, H] x)
 //   round_first: round the normalised value to x's dtype before the weight
-void rms_norm_w32_(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out,
-                   bool round_first) {
-  for (const torch::Tensor* t : {&x, static_cast<const torch::Tensor*>(&out)}) {
+void rms_norm_w32_(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out, bool round_first) {
+  for (const at::Tensor* t : {&x, static_cast<const at::Tensor*>(&out)}) {
     TORCH_CHECK(t->device().is_cpu() && (t->dim() == 2 || t->dim() == 3) && t->stride(-1) == 1,
                 "x and out must be [R, H] or [A, B, H] CPU tensors with unit stride along H");
   }
@@ -575,7 +577,7 @@ void rms_norm_w32_(const torch::Tensor& x, const torch::Tensor& weight, double e
               "weight must be fp32 [H], or [B, H] for an [A, B, H] x");
   const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
   if (rows == 0 || h == 0) return;
-  auto map = [](const torch::Tensor& t) {
+  auto map = [](const at::Tensor& t) {
     return t.dim() == 2 ? RowMap{1, t.stride(0), 0} : RowMap{t.size(1), t.stride(0), t.stride(1)};
   };
   const RowMap xm = map(x), om = map(out);
@@ -594,8 +596,8 @@ void rms_norm_w32_(const torch::Tensor& x, const torch::Tensor& weight, double e
 }
 
 // x and residual: [T, H] row-major, one shape and dtype; each weight fp32 [H] contiguous.
-static void check_norm_add_args(const torch::Tensor& x, const torch::Tensor& residual,
-                                std::initializer_list<const torch::Tensor*> weights) {
+static void check_norm_add_args(const at::Tensor& x, const at::Tensor& residual,
+                                std::initializer_list<const at::Tensor*> weights) {
   check_row_major(x, "x");
   check_row_major(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
@@ -609,10 +611,10 @@ static void check_norm_add_args(const torch::Tensor& x, const torch::Tensor& res
 // residual += (w1 * norm(x)).to(dtype) in place; returns (w2 * norm(residual)).to(dtype):
 // a (1 + w) / fp32-weight norm after a block, its residual add and the next norm in one pass.
 //   x, residual [T, H] contiguous, one dtype; w1, w2 [H] fp32 contiguous
-torch::Tensor norm_add_norm_w32(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w1, double eps1,
-                                const torch::Tensor& w2, double eps2) {
+at::Tensor norm_add_norm_w32(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w1, double eps1,
+                             const at::Tensor& w2, double eps2) {
   check_norm_add_args(x, residual, {&w1, &w2});
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
   if (rows == 0) return out;
 #if CB_FUSED_X86
@@ -634,7 +636,7 @@ torch::Tensor norm_add_norm_w32(const torch::Tensor& x, torch::Tensor& residual,
 // residual += (w * norm(x)).to(dtype) in place: an fp32-weight norm after a
 // block and its residual add in one pass (OLMo 2's post-norms).
 //   x, residual [T, H] contiguous, one dtype; w [H] fp32 contiguous
-void norm_add_w32_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w, double eps) {
+void norm_add_w32_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
   check_norm_add_args(x, residual, {&w});
   const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
   if (rows == 0) return;
@@ -654,7 +656,7 @@ void norm_add_w32_(const torch::Tensor& x, torch::Tensor& residual, const torch:
 // out = act(gate_up[..., :I]) * gate_up[..., I:], act "silu" or "gelu_tanh"
 //   gate_up [..., 2I] contiguous (gate then up, as a fused projection gives)
 // returns   [..., I]  new tensor
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::string& activation) {
+at::Tensor silu_and_mul(const at::Tensor& gate_up, const std::string& activation) {
   const cbserve_fused::Act act = cbserve_fused::parse_act(activation);
   check_row_major(gate_up, "gate_up");
   const int64_t two_i = gate_up.size(-1);
@@ -662,7 +664,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::string& acti
   const int64_t inter = two_i / 2;
   auto sizes = gate_up.sizes().vec();
   sizes.back() = inter;
-  auto out = torch::empty(sizes, gate_up.options());
+  auto out = at::empty(sizes, gate_up.options());
   const int64_t rows = inter ? gate_up.numel() / two_i : 0;
   if (rows == 0) return out;
 #if CB_FUSED_X86
@@ -687,12 +689,12 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up, const std::string& acti
 
 // residual += x (in place, in the model dtype); returns RMSNorm(residual).
 //   x, residual [..., H] same shape/dtype, contiguous; weight [H]
-torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
   check_row_major(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
   TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual and x must share a dtype");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t h = x.size(-1);
   const int64_t rows = h ? x.numel() / h : 0;
   if (rows == 0) return out;
@@ -715,8 +717,8 @@ namespace {
 
 // Checks qkv [T, (Hq + 2 Hkv) * D] and cos / sin [T, R] (R <= D, even: the
 // rotary's dims) of one dtype.
-void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t hq,
-                     int64_t hkv, int64_t head_dim) {
+void check_rope_args(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t hq, int64_t hkv,
+                     int64_t head_dim) {
   check_row_major(qkv, "qkv");
   check_row_major(cos, "cos");
   check_row_major(sin, "sin");
@@ -732,8 +734,8 @@ void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& cos, const t
 
 // Rotary on q (into q) and k, k and v of token t into row slots[t] of k / v
 // (row t when slots is null), on the AVX-512 path where it applies.
-void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& q,
-              torch::Tensor& k, torch::Tensor& v, const int64_t* slots, int64_t hq, int64_t hkv, int64_t head_dim) {
+void run_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& q, at::Tensor& k,
+              at::Tensor& v, const int64_t* slots, int64_t hq, int64_t hkv, int64_t head_dim) {
   const int64_t T = qkv.size(0), R = cos.size(1);
   if (T == 0) return;
   if (cos.scalar_type() != qkv.scalar_type()) {  // an fp32 table: rotary in fp32, one rounding
@@ -773,14 +775,14 @@ void run_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::T
 //   cos, sin [T, R] (R <= D: a partial rotary turns the first R dims of each head) in qkv's dtype, or fp32
 //            (the rotary then runs in fp32, rounded once)
 // returns (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]), rotary applied to q and k.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Tensor& cos,
-                                                                   const torch::Tensor& sin, int64_t hq, int64_t hkv,
-                                                                   int64_t head_dim) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(const at::Tensor& qkv, const at::Tensor& cos,
+                                                          const at::Tensor& sin, int64_t hq, int64_t hkv,
+                                                          int64_t head_dim) {
   check_rope_args(qkv, cos, sin, hq, hkv, head_dim);
   const int64_t T = qkv.size(0);
-  auto q = torch::empty({T, hq, head_dim}, qkv.options());
-  auto k = torch::empty({T, hkv, head_dim}, qkv.options());
-  auto v = torch::empty({T, hkv, head_dim}, qkv.options());
+  auto q = at::empty({T, hq, head_dim}, qkv.options());
+  auto k = at::empty({T, hkv, head_dim}, qkv.options());
+  auto v = at::empty({T, hkv, head_dim}, qkv.options());
   run_rope(qkv, cos, sin, q, k, v, nullptr, hq, hkv, head_dim);
   return {q, k, v};
 }
@@ -791,9 +793,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(const torch::
 //   key_cache, value_cache [num_blocks, block_size, Hkv, D], qkv's dtype, written in place
 //   slot_mapping           [T] int64: block_id * block_size + offset; negative skips the token
 // returns q [T, Hq, D].
-torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t hq,
-                         int64_t hkv, int64_t head_dim, torch::Tensor& key_cache, torch::Tensor& value_cache,
-                         const torch::Tensor& slot_mapping) {
+at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t hq, int64_t hkv,
+                      int64_t head_dim, at::Tensor& key_cache, at::Tensor& value_cache,
+                      const at::Tensor& slot_mapping) {
   check_rope_args(qkv, cos, sin, hq, hkv, head_dim);
   const int64_t T = qkv.size(0);
   for (const auto* c : {&key_cache, &value_cache}) {
@@ -812,7 +814,7 @@ torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, con
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK_INDEX(slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t], " is out of range for a cache of ",
                       num_slots, " slots");
-  auto q = torch::empty({T, hq, head_dim}, qkv.options());
+  auto q = at::empty({T, hq, head_dim}, qkv.options());
   run_rope(qkv, cos, sin, q, key_cache, value_cache, slots, hq, hkv, head_dim);
   return q;
 }
@@ -820,11 +822,11 @@ torch::Tensor rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, con
 // Greedy decoding: the first index of each row's maximum, as torch.max(dim=-1)
 // (NaN counts as the maximum), in one vectorised pass per row.
 //   x [N, V] contiguous -> int64 [N]
-torch::Tensor argmax(const torch::Tensor& x) {
+at::Tensor argmax(const at::Tensor& x) {
   check_row_major(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [N, V] with V > 0");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
 #if CB_FUSED_X86
   if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {

@@ -17,6 +17,7 @@
 #include "gguf_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -414,7 +415,7 @@ struct Blocks {
   const uint8_t* tile(int64_t nb, int64_t kb) const { return gguf_tiles::tile_at(fmt, src, nb, kb, nblocks, kblocks); }
 };
 
-Blocks blocks_of(const torch::Tensor& packed) {
+Blocks blocks_of(const at::Tensor& packed) {
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "packed must be a contiguous CPU tensor");
   const Fmt fmt = gguf_tiles::block_fmt(packed);
   return Blocks{fmt, packed.data_ptr<uint8_t>(), packed.size(0), packed.size(1) * gguf_tiles::kblocks_per_tile(fmt)};
@@ -459,15 +460,15 @@ void store_int_sums(const void* ctx, int64_t m0, int rows, int64_t nb, int nv, c
 
 bool gguf_linear_avx2() { return use_avx2(); }
 
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                          const c10::optional<torch::Tensor>& bias) {
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [M, K] tensor");
   const bool bf16 = rounds(x.scalar_type());
   const Blocks b = blocks_of(packed);
   gguf_tiles::check_blocks(packed, out_features, x.size(1));
-  torch::Tensor bias32;
+  at::Tensor bias32;
   const float* bp = fp32_arith_bias(bias, out_features, bf16, bias32);
-  auto y = torch::empty({x.size(0), out_features}, x.options());
+  auto y = at::empty({x.size(0), out_features}, x.options());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   if (M == 0) return y;
   float* y32 = bf16 ? nullptr : y.data_ptr<float>();
@@ -524,11 +525,11 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   return y;
 }
 
-torch::Tensor gguf_dequant(const torch::Tensor& packed, at::ScalarType dtype) {
+at::Tensor gguf_dequant(const at::Tensor& packed, at::ScalarType dtype) {
   const bool round = rounds(dtype);
   const Blocks b = blocks_of(packed);
   const int64_t N = b.nblocks * kTileN, K = b.kblocks * kTileK;
-  auto out32 = torch::empty({N, K}, packed.options().dtype(at::kFloat));
+  auto out32 = at::empty({N, K}, packed.options().dtype(at::kFloat));
   float* o = out32.data_ptr<float>();
   at::parallel_for(0, b.nblocks, 1, [&](int64_t n0, int64_t n1) {
     alignas(64) float tile[kPanelElems];
@@ -542,7 +543,7 @@ torch::Tensor gguf_dequant(const torch::Tensor& packed, at::ScalarType dtype) {
   return round ? out32.to(at::kBFloat16) : out32;  // bf16-valued: the cast is exact
 }
 
-torch::Tensor gguf_embed(const torch::Tensor& packed, const torch::Tensor& ids, at::ScalarType dtype) {
+at::Tensor gguf_embed(const at::Tensor& packed, const at::Tensor& ids, at::ScalarType dtype) {
   const bool round = rounds(dtype);
   const Blocks b = blocks_of(packed);
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be int64 [T]");
@@ -550,7 +551,7 @@ torch::Tensor gguf_embed(const torch::Tensor& packed, const torch::Tensor& ids, 
   const auto ids_c = ids.contiguous();
   const int64_t* id = ids_c.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(0 <= id[t] && id[t] < rows, "row ", id[t], " outside [0, ", rows, ")");
-  auto out32 = torch::empty({T, K}, packed.options().dtype(at::kFloat));
+  auto out32 = at::empty({T, K}, packed.options().dtype(at::kFloat));
   float* o = out32.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     alignas(64) float tile[kPanelElems];

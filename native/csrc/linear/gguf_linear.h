@@ -5,7 +5,7 @@
 // those instructions.
 #pragma once
 
-#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
+#include <ATen/core/Tensor.h>  // the tensor alone: torch/types.h is several times slower to compile
 
 namespace cbserve_fused {
 
@@ -22,16 +22,16 @@ bool gguf_linear_avx2();
 // activations (set_block_activations, AVX512-VNNI CPUs), at any row count:
 // then x is rounded per 32-wide k-block and multiplied with integer dot
 // products (int8_blocks.h), bias added in fp32, y in x's dtype.
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                          const c10::optional<torch::Tensor>& bias);
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias);
 
 // The [N, K] weight `packed` holds, in `dtype` (float32: the exact values;
 // bfloat16: rounded once), by the code gguf_linear expands tiles with.
-torch::Tensor gguf_dequant(const torch::Tensor& packed, at::ScalarType dtype);
+at::Tensor gguf_dequant(const at::Tensor& packed, at::ScalarType dtype);
 
 // Rows `ids` (int64 [T]) of the weight `packed` holds, [T, K] in `dtype`
 // (float32 or bfloat16, rounded as gguf_dequant): an embedding lookup from
 // blocks on any CPU.
-torch::Tensor gguf_embed(const torch::Tensor& packed, const torch::Tensor& ids, at::ScalarType dtype);
+at::Tensor gguf_embed(const at::Tensor& packed, const at::Tensor& ids, at::ScalarType dtype);
 
 }  // namespace cbserve_fused

@@ -6,7 +6,7 @@
 // cast do, so both kernels see the bf16 model's weights bit for bit.
 #pragma once
 
-#include <torch/types.h>  // tensors without torch/extension.h's Python bindings: quicker to compile
+#include <ATen/core/Tensor.h>  // the tensor alone: torch/types.h is several times slower to compile
 
 #include <cstdint>
 
@@ -53,7 +53,7 @@ inline int64_t kblocks_per_tile(Fmt f) { return k_quant(f) ? kQ4KSub : 1; }
 
 // The format of uint8 blocks packed by executor/cpu/gguf_weights.py, from the
 // size of their last dimension (one tile's bytes); checks the layout.
-inline Fmt block_fmt(const torch::Tensor& packed) {
+inline Fmt block_fmt(const at::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3,
               "block-quantised weights must be a uint8 [N/16, K/32 or K/256, tile bytes] tensor");
   for (Fmt f : {Fmt::kQ4_1, Fmt::kQ8_0, Fmt::kQ4_K, Fmt::kQ6_K})
@@ -65,7 +65,7 @@ inline Fmt block_fmt(const torch::Tensor& packed) {
 
 // The format of blocks packed for an [n_features, k] weight; checks that
 // they hold whole tiles of exactly that weight.
-inline Fmt check_blocks(const torch::Tensor& packed, int64_t n_features, int64_t k) {
+inline Fmt check_blocks(const at::Tensor& packed, int64_t n_features, int64_t k) {
   const Fmt fmt = block_fmt(packed);
   const int64_t tk = kTileK * kblocks_per_tile(fmt);
   TORCH_CHECK(

@@ -223,9 +223,8 @@ void block_delta(Isa isa, const T* x, T* out, int64_t ostride, int64_t col0, con
 
 }  // namespace
 
-void lora_add(const torch::Tensor& x, torch::Tensor& out, int64_t col0, const torch::Tensor& slots,
-              const torch::Tensor& at, const torch::Tensor& bt, const torch::Tensor& ranks,
-              const torch::Tensor& scales) {
+void lora_add(const at::Tensor& x, at::Tensor& out, int64_t col0, const at::Tensor& slots, const at::Tensor& at,
+              const at::Tensor& bt, const at::Tensor& ranks, const at::Tensor& scales) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "lora_add: CPU tensors");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "lora_add: x [T, K], out [T, >= N]");
   TORCH_CHECK(
