@@ -88,7 +88,7 @@ def _router_reads_the_converted_tokenizer(path, cache):
     assert not torch_imported
 
 
-def test_a_gguf_type_without_a_kernel_is_refused_unless_a_dtype_expands_it(tmp_path):
+def test_a_gguf_type_without_a_kernel_is_refused_unless_a_dtype_expands_it(tmp_path, monkeypatch):
     """Q5_0 has no block kernel: under --dtype auto the executor refuses the
     file (exit 2, naming a tensor and its type) rather than expand it to bf16
     without a word; --dtype bfloat16 asks for the expansion and serves it."""
@@ -101,7 +101,10 @@ def test_a_gguf_type_without_a_kernel_is_refused_unless_a_dtype_expands_it(tmp_p
 
     path = tmp_path / "tiny-q5.gguf"
     write_gguf(_model("llama"), str(path), quant="Q5_0")
-    env = {**os.environ, "CBSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    # The expansion below writes its converted checkpoint into the cache:
+    # this test's own, not the developer's .cache.
+    monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    env = dict(os.environ)
     cmd = [sys.executable, "-m", "executor", "--model", str(path), "--device", "cpu"]
     out = subprocess.run(
         cmd + ["--listen", f"unix://{tmp_path}/e.sock"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
@@ -114,6 +117,7 @@ def test_a_gguf_type_without_a_kernel_is_refused_unless_a_dtype_expands_it(tmp_p
     model_loader.check_gguf_types(model_source.resolve(str(_write(tmp_path, "Q4_K_M"))))  # the block types pass
     model = model_loader.load_model(source, torch.bfloat16)  # what --dtype bfloat16 loads
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert [p.name for p in (tmp_path / "cache").iterdir()], "the conversion went to another cache"
 
 
 def _write(tmp_path, quant: str):
