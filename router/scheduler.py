@@ -30,6 +30,13 @@ from router.speculative import Speculator
 _LOGGER = structlog.get_logger(__name__)
 
 
+def _seniority(req: Request):
+    """The running order while memory is short under a policy whose own
+    order moves (Policy.stable_running_order): highest band, then oldest,
+    first; the last is evicted first."""
+    return (-req.priority, req.arrival_time, req.seq_id)
+
+
 @dataclass
 class ScheduledSeq:
     req: Request
@@ -246,7 +253,10 @@ class Scheduler:
         # Running decodes not yet given their token: drafts never take it.
         decodes_left = sum(1 for r in self.running if not r.is_prefill) if drafting else 0
 
-        for req in sorted(self.running, key=self.policy.running_key):
+        order = self.policy.running_key
+        if not self.policy.stable_running_order and self._memory_short(budget):
+            order = _seniority
+        for req in sorted(self.running, key=order):
             if req.status != Status.RUNNING:
                 continue  # preempted earlier in this loop
             if budget <= 0:
@@ -279,7 +289,7 @@ class Scheduler:
                     self._preempt(req, out)
                     memory_preempted = True
                     break
-                self._preempt(max(victims, key=self.policy.running_key), out)
+                self._preempt(max(victims, key=order), out)
                 memory_preempted = True
             if req.status != Status.RUNNING:
                 continue
@@ -294,6 +304,16 @@ class Scheduler:
         if self.lora_slots is not None:
             out.lora_slots = self.lora_slots.take_pending()
         return out
+
+    def _memory_short(self, budget: int) -> bool:
+        """Whether the running requests' next chunks (each at most the whole
+        budget) could need more blocks than are free."""
+        b = self.blocks
+        need = 0
+        for r in self.running:
+            tokens = r.num_computed_tokens + max(1, min(r.num_uncomputed, budget))
+            need += max(0, b.blocks_needed(tokens) - len(b.block_ids(r)))
+        return need > b.num_free_blocks
 
     def _release_lora(self, req: Request) -> None:
         if req.lora_slot and self.lora_slots is not None:

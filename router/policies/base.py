@@ -31,6 +31,13 @@ class Policy:
     name = "base"
     # May a waiting request preempt running ones (memory or max_num_seqs)?
     preemptive = False
+    # Does running_key order the running requests the same way for as long
+    # as they run? Where it does not (fair share: the tenants' counters
+    # move), memory preemption could evict two requests in turn, each losing
+    # what it had computed, forever; so while the running requests' next
+    # blocks do not all fit, the scheduler orders them by seniority instead
+    # (band, then arrival: the oldest is never evicted for a younger one).
+    stable_running_order = True
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg

@@ -249,6 +249,9 @@ class FairPolicy(Policy):
         # Within a tenant (same counter and seats), SLO deadlines first.
         return (-req.priority, self.counter(req.tenant), seats, deadline(req), req.arrival_time, req.seq_id)
 
+    # The counters move as service is charged (Policy.stable_running_order).
+    stable_running_order = False
+
     def running_key(self, req: Request):
         # Smallest first gets the budget; the largest is the victim: lowest
         # band, most over-served tenant, newest request.

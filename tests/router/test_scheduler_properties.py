@@ -140,6 +140,18 @@ _RESERVE_STALLS = [
 ]
 
 
+# Two long prompts of two tenants, prefilling side by side in a pool that
+# holds only one of them whole: memory preemption evicted the most-served
+# tenant's, whose counter the recompute then lifted past the other's, so
+# each was evicted in turn, losing all it had computed, forever.
+_EVICTION_PING_PONG = dict(
+    specs=[_spec(1, 1, "a", 0.0), _spec(17, 4, "a", 0.001), _spec(1, 1, "a", 0.002)]
+    + [_spec(16, 1, "b", 0.003), _spec(1, 1, "a", 0.004)],
+    max_num_seqs=2,
+    prefix=False,
+)
+
+
 # ... and for a waiting prompt that a swapped request kept from admission,
 # while the running prefill held the blocks the swapped one needed.
 _SWAP_STALL = dict(
@@ -162,6 +174,7 @@ def _stall_example(case, **settings):
 @SETTINGS
 @_stall_example(_RESERVE_STALLS[0])
 @_stall_example(_RESERVE_STALLS[1])
+@_stall_example(_EVICTION_PING_PONG)
 @_stall_example(_SWAP_STALL, mode="swap", num_swap_blocks=3, threshold=1)
 @given(
     specs=workloads(),
