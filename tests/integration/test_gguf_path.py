@@ -92,7 +92,6 @@ def test_a_gguf_type_without_a_kernel_is_refused_unless_a_dtype_expands_it(tmp_p
     """Q5_0 has no block kernel: under --dtype auto the executor refuses the
     file (exit 2, naming a tensor and its type) rather than expand it to bf16
     without a word; --dtype bfloat16 asks for the expansion and serves it."""
-    import os
     import subprocess
     import sys
 
@@ -103,11 +102,10 @@ def test_a_gguf_type_without_a_kernel_is_refused_unless_a_dtype_expands_it(tmp_p
     write_gguf(_model("llama"), str(path), quant="Q5_0")
     # The expansion below writes its converted checkpoint into the cache:
     # this test's own, not the developer's .cache.
-    monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    env = dict(os.environ)
+    monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))  # the executor below inherits it
     cmd = [sys.executable, "-m", "executor", "--model", str(path), "--device", "cpu"]
     out = subprocess.run(
-        cmd + ["--listen", f"unix://{tmp_path}/e.sock"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        cmd + ["--listen", f"unix://{tmp_path}/e.sock"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     text = out.stdout + out.stderr
     assert out.returncode == 2, text[-2000:]
